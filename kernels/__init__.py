@@ -1,0 +1,1 @@
+"""Attention and KV kernels with plain-torch references (installed as vlmq.kernels)."""

@@ -1,0 +1,1 @@
+"""GPU side of vlmq: Celery app and tasks, backends, engine, models (installed as vlmq.workers)."""
