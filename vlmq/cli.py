@@ -1,0 +1,117 @@
+"""The ``vlmq`` command: demo, worker, cost, submit, status, result."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from vlmq.errors import VlmqError
+
+
+def _cost(args: argparse.Namespace) -> int:
+    from vlmq.cost import cost_report
+    from vlmq.models import cost_classes, resolve_model
+    from vlmq.settings import Settings
+
+    settings = Settings.from_env()
+    spec = resolve_model(args.model, settings)
+    print(cost_report(args.images, spec.policy, cost_classes(settings)))
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    try:
+        from vlmq.workers.main import main_from_args
+    except ImportError as e:
+        print(f"vlmq worker needs the worker extra (pip install 'vlmq[worker]'): {e}", file=sys.stderr)
+        return 2
+    return main_from_args(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from vlmq.demo import run_demo
+
+    return run_demo(num_jobs=args.jobs, keep=args.keep)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from vlmq.client import Client
+
+    with Client.from_env() as client:
+        job = client.submit(args.image, args.prompt, model=args.model, max_new_tokens=args.max_new_tokens,
+                            priority=args.priority, idempotency_key=args.idempotency_key)
+        if not args.wait:
+            print(job.id)
+            return 0
+        result = job.result(timeout=args.timeout)
+        print(json.dumps(result.raw, indent=2))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from vlmq.client import Client
+
+    with Client.from_env() as client:
+        print(json.dumps(client.job(args.job_id).info(), indent=2))
+    return 0
+
+
+def _result(args: argparse.Namespace) -> int:
+    from vlmq.client import Client
+
+    with Client.from_env() as client:
+        print(json.dumps(client.job(args.job_id).result(timeout=args.timeout).raw, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlmq", description="Serve vision-language models from a queue.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="run the whole pool on this machine and caption sample images")
+    p.add_argument("--jobs", type=int, default=16, help="number of jobs to submit (default 16)")
+    p.add_argument("--keep", action="store_true", help="keep the storage folder afterwards")
+    p.set_defaults(func=_demo)
+    p = sub.add_parser("worker", help="run a worker (one process per GPU with --gpus)")
+    from vlmq.worker_args import add_worker_arguments
+
+    add_worker_arguments(p)
+    p.set_defaults(func=_worker)
+    p = sub.add_parser("cost", help="print the vision-token cost of images from their headers")
+    p.add_argument("images", nargs="+")
+    p.add_argument("--model", default="tiny-shapes")
+    p.set_defaults(func=_cost)
+    p = sub.add_parser("submit", help="submit one job (prints its id, or the result with --wait)")
+    p.add_argument("image")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="tiny-shapes")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--priority", type=int, default=5)
+    p.add_argument("--idempotency-key")
+    p.add_argument("--wait", action="store_true")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=_submit)
+    p = sub.add_parser("status", help="print a job's record")
+    p.add_argument("job_id")
+    p.set_defaults(func=_status)
+    p = sub.add_parser("result", help="wait for a job and print its result")
+    p.add_argument("job_id")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=_result)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except VlmqError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Which models exist, their resolution policy and how each cost class is bounded.
+
+The SDK needs a model's resolution policy to price an image from its header;
+it never loads the model. ``tiny-shapes`` is bundled with the worker package;
+other names map to local Hugging Face folders through ``VLMQ_MODELS``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlmq.cost import CostClasses, ResolutionPolicy
+from vlmq.errors import InvalidRequest
+from vlmq.settings import Settings
+
+BUNDLED_MODEL = "tiny-shapes"
+# Must equal workers/assets/tiny-shapes/preprocessor_config.json (a test checks).
+TINY_SHAPES_POLICY = ResolutionPolicy(min_pixels=56 * 56, max_pixels=1024 * 1024)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A servable model as the SDK sees it.
+
+    Attributes:
+        name: the public model name used in queue names.
+        policy: resolution policy used to price images.
+        path: local checkpoint folder, or None for the bundled model.
+    """
+
+    name: str
+    policy: ResolutionPolicy
+    path: str | None = None
+
+
+def _policy_from_folder(path: str) -> ResolutionPolicy:
+    config = Path(path) / "preprocessor_config.json"
+    try:
+        return ResolutionPolicy.from_preprocessor_config(json.loads(config.read_text()))
+    except (OSError, ValueError):
+        return ResolutionPolicy()
+
+
+def resolve_model(name: str, settings: Settings) -> ModelSpec:
+    """Look a model name up.
+
+    Raises:
+        InvalidRequest: if the name is unknown.
+    """
+    if name in settings.models:
+        path = settings.models[name]
+        return ModelSpec(name, _policy_from_folder(path), path)
+    if name == BUNDLED_MODEL:
+        return ModelSpec(name, TINY_SHAPES_POLICY, None)
+    known = sorted({BUNDLED_MODEL, *settings.models})
+    raise InvalidRequest(f"unknown model {name!r}; known models: {', '.join(known)} (add more with VLMQ_MODELS)",
+                         code="unknown_model")
+
+
+def cost_classes(settings: Settings) -> CostClasses:
+    """The configured cost classes."""
+    return CostClasses.from_string(settings.cost_classes)
+
+
+def class_cost(spec: ModelSpec, cost_class: str, settings: Settings) -> int:
+    """Upper bound of one job of this class in tokens: vision bound plus the text allowance.
+
+    The top class is bounded by the largest image the model's policy allows.
+    """
+    classes = cost_classes(settings)
+    bound = classes.bound(cost_class)
+    if bound is None:
+        factor = spec.policy.patch_size * spec.policy.merge_size
+        bound = spec.policy.max_pixels // (factor * factor)
+    return bound + settings.text_token_bound

@@ -1,0 +1,55 @@
+"""Celery configuration shared by producers (the SDK) and workers.
+
+Messages are JSON (msgpack also accepted); pickle is never accepted. The
+reliability settings follow ../shared/notes/queue.md: late acks, reject on
+worker lost, no prefetch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vlmq.settings import Settings
+
+TASK_NAME = "vlmq.run_job"
+PRIORITY_STEPS = list(range(10))  # 0 is the highest priority (Celery on Redis)
+DEFAULT_PRIORITY = 5
+
+
+def celery_config(settings: Settings, visibility_timeout: int = 3600) -> dict[str, Any]:
+    """Celery settings for the vlmq app."""
+    transport = {
+        "priority_steps": PRIORITY_STEPS,
+        "sep": ":",
+        "queue_order_strategy": "priority",
+        "visibility_timeout": visibility_timeout,
+        "socket_connect_timeout": 3,
+        "max_retries": 1,
+    }
+    return {
+        "broker_url": settings.broker_url,
+        "broker_transport_options": transport,
+        "broker_connection_timeout": 3,
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "accept_content": ["json", "msgpack"],
+        "result_accept_content": ["json", "msgpack"],
+        "task_ignore_result": True,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,
+        "task_default_priority": DEFAULT_PRIORITY,
+        "task_create_missing_queues": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_disable_prefetch": True,
+        "worker_hijack_root_logger": False,
+        "visibility_timeout": visibility_timeout,
+    }
+
+
+def make_celery(settings: Settings, name: str = "vlmq") -> Any:
+    """A Celery app configured for vlmq (no tasks registered: producers send by name)."""
+    from celery import Celery
+
+    app = Celery(name)
+    app.conf.update(celery_config(settings))
+    return app

@@ -1,0 +1,15 @@
+"""Command-line options of ``vlmq worker`` (kept in the SDK so ``vlmq --help`` needs no torch)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-shapes", help="model name (default tiny-shapes)")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (VLMQ_DEVICE)")
+    parser.add_argument("--gpus", help="'all' or a list like 0,1: one worker process per GPU")
+    parser.add_argument("--classes", help="cost classes to consume, e.g. xs,s (VLMQ_WORKER_CLASSES)")
+    parser.add_argument("--budget", type=int, help="sum of class costs held at once (VLMQ_WORKER_BUDGET)")
+    parser.add_argument("--batch", type=int, help="most jobs held at once (VLMQ_WORKER_BATCH)")
+    parser.add_argument("--backend", help="hf (VLMQ_BACKEND)")
+    parser.add_argument("--name", help="worker name shown in results")

@@ -1,0 +1,31 @@
+"""What every backend takes and returns."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class GenRequest:
+    job_id: str
+    image: Any  # PIL.Image.Image, canonical RGB
+    prompt: str
+    max_new_tokens: int
+
+
+@dataclass(slots=True)
+class GenOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    image_tokens: int
+
+
+class Backend(ABC):
+    model_dir: str
+
+    @abstractmethod
+    def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
+        """Serve a batch; a failure of one request is returned in its slot, not raised."""

@@ -1,0 +1,73 @@
+"""Reference backend: plain transformers ``generate`` on padded batches (``--backend hf``)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import AutoModelForImageTextToText
+
+from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
+from vlmq.workers.models.processor import load_processor, render_prompt
+
+log = logging.getLogger(__name__)
+
+
+class HFBackend(Backend):
+    def __init__(self, model_dir: str, device: str = "cpu") -> None:
+        self.model_dir = model_dir
+        self.device = torch.device(device)
+        dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+        self.model.to(self.device).eval()
+        self.processor = load_processor(model_dir)
+        self.processor.tokenizer.padding_side = "left"
+        tokenizer = self.processor.tokenizer
+        self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
+
+    def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
+        # One padded batch per max_new_tokens value keeps generate's stopping exact per job.
+        outputs: dict[int, GenOutput | Exception] = {}
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.max_new_tokens, []).append(i)
+        for max_new, idx in groups.items():
+            batch = [requests[i] for i in idx]
+            try:
+                results: list[GenOutput | Exception] = list(self._generate(batch, max_new))
+            except Exception:  # a bad member must not sink the batch: retry one by one
+                log.exception("batch of %d failed; retrying one by one", len(batch))
+                results = [self._one(r) for r in batch]
+            outputs.update(zip(idx, results, strict=True))
+        return [outputs[i] for i in range(len(requests))]
+
+    def _one(self, request: GenRequest) -> GenOutput | Exception:
+        try:
+            return self._generate([request], request.max_new_tokens)[0]
+        except Exception as e:  # returned in its slot; the worker fails this job alone
+            return e
+
+    @torch.inference_mode()
+    def _generate(self, batch: list[GenRequest], max_new_tokens: int) -> list[GenOutput]:
+        texts = [render_prompt(self.processor, r.prompt) for r in batch]
+        inputs = self.processor(text=texts, images=[r.image for r in batch], return_tensors="pt", padding=True)
+        inputs = inputs.to(self.device)
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=self.pad_id)
+        prompt_len = inputs["input_ids"].shape[1]
+        return [self._output(inputs, out, row, prompt_len, max_new_tokens) for row in range(len(batch))]
+
+    def _output(self, inputs: dict, out: torch.Tensor, row: int, prompt_len: int, max_new: int) -> GenOutput:
+        ids = out[row, prompt_len:].tolist()
+        finish = "length"
+        for n, t in enumerate(ids):
+            if t in self.eos_ids:
+                ids, finish = ids[:n], "stop"
+                break
+        mask = inputs["attention_mask"][row]
+        prompt_tokens = int(mask.sum())
+        image_tokens = int((inputs["input_ids"][row] == self.image_token_id).sum())
+        text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+        return GenOutput(text, ids, finish, prompt_tokens, image_tokens)

@@ -1,0 +1,66 @@
+"""Gathers the jobs a worker holds into batches for its backend.
+
+Celery runs each job in a thread of the worker's pool; each thread hands its
+request here and waits. One model thread serves whatever is pending together.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
+
+log = logging.getLogger(__name__)
+
+
+class Batcher:
+    def __init__(self, backend: Backend, max_batch: int, linger_s: float = 0.02) -> None:
+        self.backend = backend
+        self.max_batch = max_batch
+        self.linger_s = linger_s  # a short wait lets jobs reserved together run together
+        self._pending: list[tuple[GenRequest, Future[GenOutput]]] = []
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="vlmq-model", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenRequest) -> Future[GenOutput]:
+        future: Future[GenOutput] = Future()
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("batcher stopped")
+            self._pending.append((request, future))
+            self._cond.notify()
+        return future
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _take(self) -> list[tuple[GenRequest, Future[GenOutput]]]:
+        with self._cond:
+            while not self._pending and not self._stopped:
+                self._cond.wait(timeout=1.0)
+            if self._stopped:
+                return []
+        time.sleep(self.linger_s)
+        with self._cond:
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+        return batch
+
+    def _loop(self) -> None:
+        while batch := self._take():
+            requests = [r for r, _ in batch]
+            try:
+                results = self.backend.generate(requests)
+            except Exception as e:  # the backend broke as a whole: every job in the batch sees it
+                log.exception("backend failed on a batch of %d", len(batch))
+                results = [e] * len(batch)
+            for (_, future), result in zip(batch, results, strict=True):
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)

@@ -1,0 +1,120 @@
+"""One job on a worker: the adapter between job records (users' statuses) and the backend."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vlmq import keys, records
+from vlmq.errors import BackendError, InvalidRequest
+from vlmq.images import ImageLimits, decode
+from vlmq.jobs import JobStatus, now
+from vlmq.settings import Settings
+from vlmq.storage import Storage
+from vlmq.workers.backends.base import GenOutput, GenRequest
+from vlmq.workers.batcher import Batcher
+
+log = logging.getLogger(__name__)
+_ACTIVE = (JobStatus.QUEUED, JobStatus.STARTED)
+
+
+@dataclass(slots=True)
+class WorkerContext:
+    settings: Settings
+    redis: Any
+    storage: Storage
+    batcher: Batcher
+    model: str
+    name: str
+
+    @property
+    def limits(self) -> ImageLimits:
+        return ImageLimits(max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_image_pixels)
+
+
+class JobError(Exception):
+    """A job failure with a code users see."""
+
+    def __init__(self, code: str, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code, self.message, self.retryable = code, message, retryable
+
+
+def run_job(ctx: WorkerContext, job_id: str) -> str:
+    """Serve one job end to end; returns the final status. Never raises for a job's own fault."""
+    record = records.read(ctx.redis, job_id)
+    if not record:
+        log.warning("job %s: no record; dropping its message", job_id)
+        return "missing"
+    if JobStatus(record["status"]).is_final or ctx.redis.exists(keys.canceled(job_id)):
+        log.info("job %s already %s; skipping", job_id, record["status"])
+        return record["status"]
+    ctx.redis.hincrby(keys.job(job_id), "attempts", 1)
+    records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.STARTED, {"worker": ctx.name})
+    log.info("job %s started on %s", job_id, ctx.name)
+    try:
+        return _serve(ctx, job_id, record)
+    except JobError as e:
+        return _fail(ctx, job_id, e.code, e.message, e.retryable)
+    except Exception as e:  # anything unexpected fails this job alone, with its traceback logged
+        log.exception("job %s: unexpected failure", job_id)
+        return _fail(ctx, job_id, "internal_error", f"{type(e).__name__}: {e}", True)
+
+
+def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
+    t0 = time.monotonic()
+    if record["model"] != ctx.model:
+        raise JobError("wrong_model", f"job is for model {record['model']!r}; this worker serves {ctx.model!r}")
+    try:
+        data = ctx.storage.get(record["input_key"])
+    except KeyError:
+        raise JobError("input_missing", f"input object {record['input_key']} is not in storage") from None
+    except BackendError as e:
+        raise JobError("backend_error", str(e), retryable=True) from e
+    t1 = time.monotonic()
+    try:
+        image = decode(data, ctx.limits)
+    except InvalidRequest as e:
+        raise JobError(e.code, str(e)) from e
+    t2 = time.monotonic()
+    request = GenRequest(job_id, image, record["prompt"], int(record["max_new_tokens"]))
+    try:
+        output = ctx.batcher.submit(request).result()
+    except Exception as e:
+        raise JobError("model_error", f"{type(e).__name__}: {e}", retryable=True) from e
+    t3 = time.monotonic()
+    timings = {"queue": max(0.0, now() - float(record["queued_at"]) - (t3 - t0)), "fetch": t1 - t0,
+               "decode_image": t2 - t1, "model": t3 - t2}
+    return _finish(ctx, job_id, record, output, timings)
+
+
+def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOutput,
+            timings: dict[str, float]) -> str:
+    if ctx.redis.exists(keys.canceled(job_id)):
+        log.info("job %s canceled while running; result dropped", job_id)
+        return JobStatus.CANCELED.value
+    timings["total"] = now() - float(record["created_at"])
+    doc = {
+        "job_id": job_id, "model": record["model"], "text": out.text, "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "usage": {"prompt_tokens": out.prompt_tokens, "image_tokens": out.image_tokens,
+                  "generated_tokens": len(out.token_ids)},
+        "timings": timings, "worker": ctx.name, "finished_at": now(),
+    }
+    key = keys.result_object(job_id)
+    if not ctx.storage.put_if_absent(key, json.dumps(doc).encode()):
+        log.info("job %s: a result already exists; keeping the first", job_id)
+    records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FINISHED,
+                       {"result_key": key, "generated_tokens": len(out.token_ids)}, ttl=ctx.settings.job_ttl)
+    log.info("job %s finished (%d tokens)", job_id, len(out.token_ids))
+    return JobStatus.FINISHED.value
+
+
+def _fail(ctx: WorkerContext, job_id: str, code: str, message: str, retryable: bool) -> str:
+    records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FAILED,
+                       {"error_type": code, "error_message": message[:2000], "retryable": int(retryable),
+                        "worker": ctx.name}, ttl=ctx.settings.job_ttl)
+    log.info("job %s failed: %s: %s", job_id, code, message)
+    return JobStatus.FAILED.value

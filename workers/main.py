@@ -1,0 +1,134 @@
+"""``vlmq worker``: one Celery worker process per device.
+
+``--device cpu`` (or ``cuda:N``) runs one worker in this process; ``--gpus all``
+or ``--gpus 0,1`` starts one child process per GPU, each pinned with
+``CUDA_VISIBLE_DEVICES``, and supervises them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis as redis_lib
+
+from vlmq.models import BUNDLED_MODEL, ModelSpec, class_cost, cost_classes, resolve_model
+from vlmq.settings import Settings
+from vlmq.storage import open_storage
+from vlmq.worker_args import add_worker_arguments
+
+log = logging.getLogger(__name__)
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def model_dir(spec: ModelSpec) -> str:
+    """Local checkpoint folder of a model (the bundled one lives in the package)."""
+    if spec.path:
+        return spec.path
+    if spec.name == BUNDLED_MODEL:
+        return str(ASSETS / BUNDLED_MODEL)
+    raise ValueError(f"model {spec.name!r} has no local folder; set VLMQ_MODELS")
+
+
+def worker_queues(spec: ModelSpec, settings: Settings, classes: str) -> dict[str, int]:
+    """Queue name -> class cost for the classes this worker consumes (default: all that fit)."""
+    from vlmq import keys
+
+    names = [c.strip() for c in classes.split(",") if c.strip()] or list(cost_classes(settings).names)
+    costs = {keys.queue(spec.name, c): class_cost(spec, c, settings) for c in names}
+    if not classes.strip():
+        costs = {q: c for q, c in costs.items() if c <= settings.worker_budget}
+    return costs
+
+
+def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
+    """Load the model and consume this model's queues until stopped."""
+    from vlmq.workers.app import make_worker_app
+    from vlmq.workers.backends import load_backend
+    from vlmq.workers.batcher import Batcher
+    from vlmq.workers.costgate import CostBudget
+    from vlmq.workers.jobrunner import WorkerContext
+
+    spec = resolve_model(model, settings)
+    budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
+                        settings.worker_batch)
+    name = name or f"{socket.gethostname()}:{os.getpid()}"
+    backend = load_backend(settings.backend, model_dir(spec), settings.device)
+    ctx = WorkerContext(settings, redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3),
+                        open_storage(settings.storage_url, settings.s3_endpoint_url),
+                        Batcher(backend, settings.worker_batch), spec.name, name)
+    app = make_worker_app(settings, ctx, budget)
+    log.info("worker %s serving %s on %s, queues %s", name, spec.name, settings.device, list(budget.queue_costs))
+    app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
+                     "--without-mingle", "--without-heartbeat", "--pool", "threads",
+                     "--concurrency", str(settings.worker_batch)])
+
+
+def _gpu_ids(gpus: str) -> list[str]:
+    if gpus != "all":
+        return [g.strip() for g in gpus.split(",") if g.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [g.strip() for g in visible.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def run_gpu_workers(settings: Settings, model: str, gpus: str) -> int:
+    """One child worker per GPU; stops them all on SIGTERM/SIGINT, restarts one that dies."""
+    ids = _gpu_ids(gpus)
+    if not ids:
+        raise SystemExit("no GPUs found; use --device cpu")
+    children: dict[str, subprocess.Popen[bytes]] = {}
+    stopping = False
+
+    def spawn(gpu: str) -> None:
+        env = {**os.environ, **settings.to_env(), "CUDA_VISIBLE_DEVICES": gpu, "VLMQ_DEVICE": "cuda:0"}
+        children[gpu] = subprocess.Popen([sys.executable, "-m", "vlmq.workers.main", "--model", model], env=env)
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children.values():
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for gpu in ids:
+        spawn(gpu)
+    while not stopping:
+        time.sleep(1)
+        for gpu, child in list(children.items()):
+            if child.poll() is not None and not stopping:
+                log.error("worker on GPU %s exited with %s; restarting", gpu, child.returncode)
+                spawn(gpu)
+    return max((c.wait() for c in children.values()), default=0)
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in (("device", args.device), ("worker_classes", args.classes),
+                                   ("worker_budget", args.budget), ("worker_batch", args.batch),
+                                   ("backend", args.backend)) if v is not None}
+    settings = Settings.from_env(**overrides)
+    if args.gpus:
+        return run_gpu_workers(settings, args.model, args.gpus)
+    run_worker(settings, args.model, args.name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="vlmq worker")
+    add_worker_arguments(parser)
+    return main_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
