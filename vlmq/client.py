@@ -11,7 +11,7 @@ from typing import Any
 import redis as redis_lib
 
 from vlmq import keys, records
-from vlmq.cost import estimate
+from vlmq.cost import CostEstimate, estimate
 from vlmq.errors import BackendError, InvalidRequest, JobNotFound
 from vlmq.images import ImageInfo, ImageLimits, load_source, probe
 from vlmq.jobs import Job, JobStatus, new_job_id, now
@@ -31,6 +31,7 @@ class _Priced:
     data: bytes
     info: ImageInfo
     sha256: str
+    cost: CostEstimate
 
 
 class Client:
@@ -92,7 +93,7 @@ class Client:
             existing = self._get(keys.idempotency(idempotency_key))
             if existing:
                 return Job(self, existing)
-        priced = self._price(image)
+        priced = self._price(image, spec)
         job_id = new_job_id()
         if idempotency_key and not self._claim_idempotency(idempotency_key, job_id):
             return Job(self, self._get(keys.idempotency(idempotency_key)) or job_id)
@@ -109,10 +110,10 @@ class Client:
         items = [dict(r) for r in requests]
         for i, item in enumerate(items):
             try:
-                self._check_params(item.get("prompt", ""), item.get("model", "tiny-shapes"),
-                                   item.get("max_new_tokens", 128), item.get("priority", DEFAULT_PRIORITY),
-                                   item.get("idempotency_key"))
-                item["image"] = self._price(item["image"])
+                spec = self._check_params(item.get("prompt", ""), item.get("model", "tiny-shapes"),
+                                          item.get("max_new_tokens", 128), item.get("priority", DEFAULT_PRIORITY),
+                                          item.get("idempotency_key"))
+                item["image"] = self._price(item["image"], spec)
             except InvalidRequest as e:
                 raise InvalidRequest(f"request {i}: {e}", code=e.code) from e
             except KeyError as e:
@@ -128,6 +129,14 @@ class Client:
         job = Job(self, job_id)
         job.info()
         return job
+
+    def queue_depth(self, model: str, cost_class: str) -> int:
+        """Messages waiting in one model's cost-class queue (what a queue-length autoscaler reads)."""
+        lists = keys.queue_lists(keys.queue(model, cost_class))
+        pipe = self.redis.pipeline(transaction=False)
+        for name in lists:
+            pipe.llen(name)
+        return sum(self._call(pipe.execute))
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -154,12 +163,16 @@ class Client:
             raise InvalidRequest("model must be a string", code="unknown_model")
         return resolve_model(model, s)
 
-    def _price(self, image: ImageSource) -> _Priced:
+    def _price(self, image: ImageSource, spec: ModelSpec) -> _Priced:
         if isinstance(image, _Priced):
             return image
-        data = self._read_uri(image) if isinstance(image, str) and image.startswith("s3://") else load_source(image, self._limits)
+        if isinstance(image, str) and image.startswith("s3://"):
+            data = self._read_uri(image)
+        else:
+            data = load_source(image, self._limits)
         info = probe(data, self._limits)
-        return _Priced(data, info, hashlib.sha256(data).hexdigest())
+        cost = estimate(info.width, info.height, spec.policy, cost_classes(self.settings))
+        return _Priced(data, info, hashlib.sha256(data).hexdigest(), cost)
 
     def _read_uri(self, uri: str) -> bytes:
         bucket, key = split_uri(uri)
@@ -176,7 +189,7 @@ class Client:
 
     def _enqueue(self, job_id: str, spec: ModelSpec, priced: _Priced, prompt: str, max_new_tokens: int,
                  priority: int, idempotency_key: str | None) -> Job:
-        cost = estimate(priced.info.width, priced.info.height, spec.policy, cost_classes(self.settings))
+        cost = priced.cost
         queue = keys.queue(spec.name, cost.cost_class)
         input_key = keys.input_object(priced.sha256)
         if not self.storage.exists(input_key):

@@ -29,6 +29,11 @@ def queue(model: str, cost_class: str) -> str:
     return f"vlmq.{model}.{cost_class}"
 
 
+def queue_lists(queue_name: str) -> list[str]:
+    """The Redis lists behind one Celery queue: one per priority step (0 = the bare name)."""
+    return [queue_name] + [f"{queue_name}:{p}" for p in range(1, 10)]
+
+
 def input_object(sha256: str) -> str:
     """Storage key of a content-addressed input image."""
     return f"inputs/{sha256}"

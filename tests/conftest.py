@@ -1,0 +1,61 @@
+"""Real services for the tests: a Redis-compatible server and an S3-compatible HTTP server.
+
+Both run as child processes on free loopback ports and are stopped by process id
+at the end of the session. ``VLMQ_TEST_REDIS_URL`` points the tests at an
+existing Redis instead (it is flushed).
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from vlmq.embedded import Server, start_moto, start_valkey
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+BUCKET = "vlmq-test"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    given = os.environ.get("VLMQ_TEST_REDIS_URL")
+    if given:
+        yield given
+        return
+    server = start_valkey()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[Server]:
+    import boto3
+
+    server = start_moto()
+    try:
+        boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket=BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[object]:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def s3_storage_url(s3_server: Server) -> str:
+    """A fresh prefix in the test bucket for each test."""
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"

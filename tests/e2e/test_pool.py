@@ -1,0 +1,92 @@
+"""The whole pool end to end: SDK -> Redis queues -> a real worker process -> S3 results."""
+from __future__ import annotations
+
+import io
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from workerproc import WorkerProcess
+from vlmq.client import Client
+from vlmq.jobs import JobStatus
+from vlmq.settings import Settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+# (width, height) -> expected cost class for tiny-shapes (max 1024x1024 pixels)
+SIZES = {(96, 80): "xs", (320, 240): "xs", (600, 400): "s", (800, 640): "s", (1000, 1000): "m", (1024, 900): "m"}
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A shapes scene the bundled model was trained on (held-out seed)."""
+    from vlmq.workers.tiny.shapes import make_example
+
+    buf = io.BytesIO()
+    make_example((4242, seed), size=(width, height)).image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def pool(redis_url: str, s3_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, WorkerProcess]]:
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    settings = Settings(broker_url=redis_url, storage_url="s3://vlmq-test/e2e-pool", s3_endpoint_url=s3_server.url)
+    worker = WorkerProcess(settings, tmp_path_factory.mktemp("pool") / "worker.log", "--name", "e2e-worker")
+    try:
+        worker.wait_ready()
+        yield settings, worker
+    finally:
+        worker.stop()
+
+
+def test_fifty_jobs_of_three_classes_all_finish_with_full_results(pool: tuple[Settings, WorkerProcess]) -> None:
+    settings, worker = pool
+    sizes = list(SIZES)
+    with Client(settings=settings) as client:
+        jobs = [client.submit(png(*sizes[i % len(sizes)], seed=i), "Describe the image.", max_new_tokens=24)
+                for i in range(54)]
+        classes = Counter(job.info()["cost_class"] for job in jobs)
+        assert set(classes) == {"xs", "s", "m"}, classes
+        for i, job in enumerate(jobs):
+            assert job.info()["cost_class"] == SIZES[sizes[i % len(sizes)]]
+        results = [job.result(timeout=600) for job in jobs]
+        for job, result in zip(jobs, results, strict=True):
+            assert job.status() is JobStatus.FINISHED
+            info = job.info()
+            assert float(info["queued_at"]) <= float(info["started_at"]) <= float(info["finished_at"])
+            assert result.job_id == job.id and result.model == "tiny-shapes"
+            assert result.worker == "e2e-worker"
+            assert isinstance(result.text, str) and result.token_ids
+            assert 1 <= result.usage["generated_tokens"] == len(result.token_ids) <= 24
+            assert result.usage["image_tokens"] == int(info["vision_tokens"])
+            assert result.usage["prompt_tokens"] > result.usage["image_tokens"]
+            assert result.finish_reason in ("stop", "length")
+            assert {"queue", "fetch", "decode_image", "model", "total"} <= set(result.timings)
+        # the results really are in the S3-compatible server, one object per job
+        keys = {o["Key"] for o in client.storage.client.list_objects_v2(Bucket="vlmq-test", Prefix="e2e-pool/results/")["Contents"]}
+        assert keys == {f"e2e-pool/results/{job.id}.json" for job in jobs}
+    assert worker.alive()
+
+
+def test_same_idempotency_key_returns_the_same_job(pool: tuple[Settings, WorkerProcess]) -> None:
+    settings, _ = pool
+    with Client(settings=settings) as client:
+        first = client.submit(png(64, 64, 1), "How many circles?", idempotency_key="order-17")
+        second = client.submit(png(64, 64, 2), "How many circles?", idempotency_key="order-17")
+        assert second.id == first.id
+        assert client.job(first.id).result(timeout=300).job_id == first.id
+
+
+def test_results_of_a_known_image_are_correct(pool: tuple[Settings, WorkerProcess]) -> None:
+    from vlmq.demo import load_samples
+
+    settings, _ = pool
+    samples = load_samples()
+    with Client(settings=settings) as client:
+        jobs = [client.submit(data, prompt, max_new_tokens=64) for data, _, prompt, _ in samples]
+        answers = [job.result(timeout=300).text for job in jobs]
+    expected = [exp for _, _, _, exp in samples]
+    assert sum(a.strip() == e.strip() for a, e in zip(answers, expected, strict=True)) >= len(samples) - 1

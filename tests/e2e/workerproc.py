@@ -1,0 +1,46 @@
+"""Helpers for end-to-end tests: real worker processes against the test servers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vlmq.settings import Settings
+
+
+class WorkerProcess:
+    """``python -m vlmq.workers.main`` as a child process, logging to a file."""
+
+    def __init__(self, settings: Settings, log_path: Path, *extra: str) -> None:
+        self.log_path = log_path
+        env = {**os.environ, **settings.to_env()}
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vlmq.workers.main", *extra], env=env,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if " ready." in self.log():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"worker not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,112 @@
+"""The SDK against a real Redis-compatible server and file storage (no worker running)."""
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from vlmq import keys
+from vlmq.client import Client
+from vlmq.embedded import free_port
+from vlmq.errors import BackendError, InvalidRequest, JobFailed, JobNotFound, JobTimeout
+from vlmq.jobs import JobStatus
+from vlmq.settings import Settings
+
+
+def png(width: int = 100, height: int = 80, colour: tuple[int, int, int] = (255, 0, 0)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def client(redis_client: object, redis_url: str, tmp_path: Path) -> Client:
+    with Client(redis_url, f"file://{tmp_path / 'store'}") as c:
+        yield c
+
+
+def _queued_messages(client: Client, queue: str) -> list[dict]:
+    raw = [m for k in client.redis.keys(queue + "*") for m in client.redis.lrange(k, 0, -1)]
+    return [json.loads(m) for m in raw]
+
+
+def test_submit_writes_record_input_and_a_json_message_on_the_class_queue(client: Client) -> None:
+    job = client.submit(png(640, 480), "How many circles?", max_new_tokens=10, priority=2)
+    info = job.info()
+    assert job.status() is JobStatus.QUEUED
+    assert info["cost_class"] == "s" and info["queue"] == "vlmq.tiny-shapes.s"
+    assert int(info["vision_tokens"]) == 17 * 23 and int(info["encoder_patches"]) == 4 * 17 * 23
+    assert client.storage.get(info["input_key"]) == png(640, 480)
+    [message] = _queued_messages(client, "vlmq.tiny-shapes.s")
+    assert message["content-type"] == "application/json"
+    assert message["headers"]["task"] == "vlmq.run_job"
+    assert json.loads(__import__("base64").b64decode(message["body"]))[0] == [job.id]
+    assert message["properties"]["priority"] == 2
+
+
+def test_inputs_are_content_addressed(client: Client) -> None:
+    a = client.submit(png(), "Describe the image.").info()["input_key"]
+    b = client.submit(io.BytesIO(png()), "How many shapes?").info()["input_key"]
+    assert a == b and a.startswith("inputs/") and len(a) == len("inputs/") + 64
+
+
+def test_image_sources_path_file_object_pil_and_s3_uri(client: Client, tmp_path: Path) -> None:
+    path = tmp_path / "img.png"
+    path.write_bytes(png(50, 50))
+    jobs = [client.submit(path, "Describe the image."), client.submit(str(path), "Describe the image."),
+            client.submit(Image.new("RGB", (60, 40)), "Describe the image.")]
+    assert all(j.status() is JobStatus.QUEUED for j in jobs)
+    with pytest.raises(InvalidRequest) as err:
+        client.submit("s3://elsewhere/img.png", "Describe the image.")
+    assert err.value.code == "bad_image_source"
+
+
+def test_idempotency_key_returns_the_first_job(client: Client) -> None:
+    first = client.submit(png(), "Describe the image.", idempotency_key="k1")
+    again = client.submit(png(200, 200), "Other question?", idempotency_key="k1")
+    other = client.submit(png(), "Describe the image.", idempotency_key="k2")
+    assert again.id == first.id != other.id
+    assert len(_queued_messages(client, "vlmq.tiny-shapes.xs")) == 2
+
+
+def test_cancel_a_queued_job(client: Client) -> None:
+    job = client.submit(png(), "Describe the image.")
+    assert job.cancel() is True
+    assert job.status() is JobStatus.CANCELED
+    assert client.redis.exists(keys.canceled(job.id))
+    with pytest.raises(JobFailed) as err:
+        job.result(timeout=1)
+    assert err.value.error_type == "canceled"
+
+
+def test_unknown_job_and_result_timeout(client: Client) -> None:
+    with pytest.raises(JobNotFound):
+        client.job("nope")
+    job = client.submit(png(), "Describe the image.")
+    start = time.monotonic()
+    with pytest.raises(JobTimeout):
+        job.result(timeout=0.3)
+    assert time.monotonic() - start < 2
+
+
+def test_submit_many_validates_everything_before_enqueueing(client: Client) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        client.submit_many([{"image": png(), "prompt": "Describe the image."},
+                            {"image": b"", "prompt": "Describe the image."}])
+    assert "request 1" in str(err.value) and err.value.code == "empty_image"
+    assert client.redis.keys(keys.job("*")) == []
+    jobs = client.submit_many([{"image": png(), "prompt": "Describe the image.", "priority": 1}] * 3)
+    assert len({j.id for j in jobs}) == 3
+
+
+def test_redis_down_raises_backend_error_quickly(tmp_path: Path) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    with Client(settings=Settings(broker_url=dead, storage_url=f"file://{tmp_path}")) as client:
+        start = time.monotonic()
+        with pytest.raises(BackendError):
+            client.submit(png(), "Describe the image.")
+        assert time.monotonic() - start < 10
