@@ -1,0 +1,639 @@
+"""Image intake: sniff and probe headers, enforce limits, decode to canonical RGB, hash pixels.
+
+Two steps, both refusing bad input with :class:`~vlmq.errors.InvalidRequest`:
+
+* :func:`probe` (the SDK, at submit) reads headers only. The declared size is
+  parsed by our own code for every supported format (JPEG, PNG, WebP, GIF, BMP,
+  TIFF) and checked against :class:`ImageLimits` *before* Pillow sees the bytes,
+  so a decompression bomb is refused without allocating or decoding anything.
+  Pillow's plugin classes are then used directly (not ``Image.open``), which skips
+  Pillow's own ``DecompressionBombWarning`` check; our limits are kept below
+  Pillow's threshold so its remaining internal checks stay silent.
+* :func:`decode` (the worker) re-runs the probe, decodes the first frame and
+  canonicalises it to 8-bit RGB with EXIF orientation applied.
+
+Canonical RGB:
+    * transparency (alpha bands, palette or colour-key ``transparency``) is
+      composited onto **white**, as transformers' ``convert_to_rgb`` does, so the
+      model sees what a viewer on a white page shows;
+    * 16-bit and 32-bit integer grey (``I;16*``, ``I``) is scaled ``v / 257``
+      (rounded, clipped to 0..255) rather than clipped, float grey (``F``) is clipped;
+    * CMYK, palette, bilevel and grey go through Pillow's conversions; ICC profiles
+      are ignored (pixels are taken as sRGB);
+    * EXIF orientation (from JPEG APP1, WebP EXIF, PNG eXIf before the image data,
+      TIFF tag 274) is applied; orientations 5-8 swap width and height.
+
+Error codes: ``empty_image``, ``image_too_large``, ``not_an_image``,
+``unsupported_format``, ``too_many_pixels``, ``corrupt_image``,
+``bad_image_source``, ``image_not_found``.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import io
+import os
+import re
+import struct
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Union
+
+from PIL import (
+    BmpImagePlugin,
+    GifImagePlugin,
+    Image,
+    ImageFile,
+    JpegImagePlugin,
+    PngImagePlugin,
+    TiffImagePlugin,
+    WebPImagePlugin,
+)
+
+from vlmq.errors import InvalidRequest
+
+__all__ = [
+    "SUPPORTED_FORMATS", "ImageInfo", "ImageLimits", "ImageSource",
+    "decode", "is_storage_url", "load_source", "pixel_hash", "probe",
+]
+
+SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+
+# Pillow warns above this many pixels (its default MAX_IMAGE_PIXELS); our limits stay below it.
+_PIL_WARN_PIXELS = 89_478_485
+
+_OPENERS: dict[str, type[ImageFile.ImageFile]] = {
+    "JPEG": JpegImagePlugin.JpegImageFile,
+    "PNG": PngImagePlugin.PngImageFile,
+    "WEBP": WebPImagePlugin.WebPImageFile,
+    "GIF": GifImagePlugin.GifImageFile,
+    "BMP": BmpImagePlugin.BmpImageFile,
+    "TIFF": TiffImagePlugin.TiffImageFile,
+}
+
+# Pillow's TIFF plugin reports the displayed size and applies the orientation tag itself on load.
+_SELF_ORIENTING = frozenset({"TIFF"})
+
+# Errors Pillow raises on malformed or truncated data.
+_PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError, TypeError, KeyError)
+
+ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, IO[bytes], Image.Image]
+"""What :func:`load_source` accepts."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """Limits every input image must satisfy.
+
+    Attributes:
+        max_bytes: largest encoded size in bytes.
+        max_pixels: largest declared ``width * height`` (at most Pillow's warning threshold).
+        max_side: largest declared width or height.
+        max_frames_checked: frames counted at most when probing an animation.
+    """
+
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 40_000_000
+    max_side: int = 20_000
+    max_frames_checked: int = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels", "max_side", "max_frames_checked"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_pixels > _PIL_WARN_PIXELS:
+            raise ValueError(f"max_pixels must be at most {_PIL_WARN_PIXELS} (Pillow's decompression-bomb threshold)")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInfo:
+    """What :func:`probe` learns from an image's headers.
+
+    Attributes:
+        format: one of :data:`SUPPORTED_FORMATS`.
+        width: width as displayed (after EXIF orientation).
+        height: height as displayed (after EXIF orientation).
+        orientation: EXIF orientation 1-8 (1 when absent or invalid).
+        mode: Pillow mode of the stored pixels (``RGB``, ``P``, ``CMYK``, ``I;16`` ...).
+        n_frames: frames in the file, counted up to ``ImageLimits.max_frames_checked``.
+    """
+
+    format: str
+    width: int
+    height: int
+    orientation: int
+    mode: str
+    n_frames: int
+
+    def to_dict(self) -> dict[str, int | str]:
+        """Returns the fields as a JSON-ready dict."""
+        return asdict(self)
+
+
+# --- format sniffing -------------------------------------------------------------------------------
+
+_UNSUPPORTED_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"\x00\x00\x01\x00", "ICO"), (b"\x00\x00\x02\x00", "CUR"), (b"8BPS", "PSD"), (b"%PDF", "PDF"),
+    (b"%!PS", "PostScript"), (b"\xc5\xd0\xd3\xc6", "EPS"), (b"II+\x00", "BigTIFF"), (b"MM\x00+", "BigTIFF"),
+    (b"\x00\x00\x00\x0cjP  \r\n\x87\n", "JPEG 2000"), (b"\xffO\xffQ", "JPEG 2000"), (b"\xff\x0a", "JPEG XL"),
+    (b"\x00\x00\x00\x0cJXL \r\n\x87\n", "JPEG XL"), (b"qoif", "QOI"), (b"DDS ", "DDS"), (b"icns", "ICNS"),
+    (b"gimp xcf", "XCF"), (b"\x8aMNG", "MNG"), (b"\x8bJNG", "JNG"), (b"SIMPLE  =", "FITS"),
+    (b"#?RADIANCE", "HDR"), (b"\x76\x2f\x31\x01", "OpenEXR"),
+)
+_BMP_INFO_HEADER_SIZES = frozenset(struct.pack("<I", size) for size in (12, 16, 40, 52, 56, 64, 108, 124))
+_PNM = re.compile(rb"P[1-7]\s")
+
+
+def _sniff(data: bytes) -> str:
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    if data[:2] == b"BM" and data[14:18] in _BMP_INFO_HEADER_SIZES:
+        return "BMP"
+    if data[:4] in (b"II*\x00", b"MM\x00*"):
+        return "TIFF"
+    name = _unsupported_name(data)
+    if name is not None:
+        raise InvalidRequest(
+            f"{name} images are not supported; convert to one of {', '.join(SUPPORTED_FORMATS)}",
+            code="unsupported_format",
+        )
+    raise InvalidRequest(
+        f"the data is not an image in a known format (supported: {', '.join(SUPPORTED_FORMATS)})",
+        code="not_an_image",
+    )
+
+
+def _unsupported_name(data: bytes) -> str | None:
+    for magic, name in _UNSUPPORTED_MAGIC:
+        if data.startswith(magic):
+            return name
+    if _PNM.match(data[:3]):
+        return "PNM (PPM/PGM/PBM)"
+    if len(data) >= 12 and data[4:8] == b"ftyp":
+        return "HEIF/AVIF"
+    head = data[:4096].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if head.startswith((b"<svg", b"<!doctype svg")) or (head.startswith(b"<?xml") and b"<svg" in head):
+        return "SVG"
+    return None
+
+
+# --- declared sizes, parsed without Pillow ---------------------------------------------------------
+
+def _corrupt(fmt: str, what: str) -> InvalidRequest:
+    return InvalidRequest(f"the {fmt} header is corrupt or truncated ({what})", code="corrupt_image")
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int]:
+    pos = 2
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            raise _corrupt("JPEG", f"no marker at byte {pos}")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # markers without a length
+            pos += 2
+            continue
+        if marker in (0xD9, 0xDA):  # end of image / start of scan before any frame header
+            break
+        (length,) = struct.unpack_from(">H", data, pos + 2)
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
+            if pos + 9 > len(data):
+                break
+            height, width = struct.unpack_from(">HH", data, pos + 5)
+            return width, height
+        pos += 2 + length
+    raise _corrupt("JPEG", "no frame header")
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    if len(data) < 24 or data[12:16] != b"IHDR":
+        raise _corrupt("PNG", "no IHDR chunk")
+    width, height = struct.unpack_from(">II", data, 16)
+    return width, height
+
+
+def _webp_size(data: bytes) -> tuple[int, int]:
+    chunk = data[12:16]
+    try:
+        if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+            width, height = struct.unpack_from("<HH", data, 26)
+            return width & 0x3FFF, height & 0x3FFF
+        if chunk == b"VP8L" and data[20:21] == b"\x2f":
+            (bits,) = struct.unpack_from("<I", data, 21)
+            return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+        if chunk == b"VP8X" and len(data) >= 30:
+            return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+    except struct.error:
+        pass
+    raise _corrupt("WebP", "no VP8/VP8L/VP8X header")
+
+
+def _gif_skip_sub_blocks(data: bytes, pos: int) -> int:
+    while data[pos]:
+        pos += data[pos] + 1
+    return pos + 1
+
+
+def _gif_scan(data: bytes, max_frames: int) -> tuple[int, int, int]:
+    """Returns the declared (width, height) including the first frame's extent, and frames counted."""
+    if len(data) < 13:
+        raise _corrupt("GIF", "short logical screen descriptor")
+    width, height = struct.unpack_from("<HH", data, 6)
+    flags = data[10]
+    pos = 13 + (3 * (2 << (flags & 7)) if flags & 0x80 else 0)
+    frames = 0
+    try:
+        while frames < max_frames and data[pos] != 0x3B:
+            if data[pos] == 0x21:  # extension: introducer, label, sub-blocks
+                pos = _gif_skip_sub_blocks(data, pos + 2)
+            elif data[pos] == 0x2C:  # image descriptor
+                x0, y0, w, h = struct.unpack_from("<HHHH", data, pos + 1)
+                if frames == 0:  # Pillow grows the canvas to the first frame's extent
+                    width, height = max(width, x0 + w), max(height, y0 + h)
+                local = data[pos + 9]
+                pos += 10 + (3 * (2 << (local & 7)) if local & 0x80 else 0)
+                pos = _gif_skip_sub_blocks(data, pos + 1)  # +1: LZW minimum code size
+                frames += 1
+            else:
+                break
+    except (IndexError, struct.error):
+        pass  # truncated after the header: counted what is there; decode reports the damage
+    return width, height, frames
+
+
+def _tiff_scan(data: bytes, max_frames: int) -> tuple[int, int, int]:
+    """Returns (width, height) of the first IFD and the number of IFDs counted."""
+    endian = "<" if data[:2] == b"II" else ">"
+    size: tuple[int, int] | None = None
+    frames = 0
+    seen: set[int] = set()
+    try:
+        (offset,) = struct.unpack_from(endian + "I", data, 4)
+        while offset and offset not in seen and frames < max_frames:
+            seen.add(offset)
+            (count,) = struct.unpack_from(endian + "H", data, offset)
+            if size is None:
+                size = _tiff_ifd_size(data, endian, offset, count)
+            frames += 1
+            (offset,) = struct.unpack_from(endian + "I", data, offset + 2 + 12 * count)
+    except struct.error:
+        pass
+    if size is None:
+        raise _corrupt("TIFF", "no readable first IFD with ImageWidth and ImageLength")
+    return size[0], size[1], frames
+
+
+def _tiff_ifd_size(data: bytes, endian: str, offset: int, count: int) -> tuple[int, int]:
+    values: dict[int, int] = {}
+    for i in range(count):
+        tag, kind = struct.unpack_from(endian + "HH", data, offset + 2 + 12 * i)
+        if tag in (256, 257) and kind in (3, 4):
+            fmt = endian + ("H" if kind == 3 else "I")
+            values[tag] = struct.unpack_from(fmt, data, offset + 2 + 12 * i + 8)[0]
+    if 256 not in values or 257 not in values:
+        raise _corrupt("TIFF", "ImageWidth or ImageLength missing")
+    return values[256], values[257]
+
+
+def _declared(data: bytes, fmt: str, limits: ImageLimits) -> tuple[int, int, int | None]:
+    """Returns the declared (width, height, frames) of a sniffed image; frames is None when not counted."""
+    if fmt == "GIF":
+        return _gif_scan(data, limits.max_frames_checked)
+    if fmt == "TIFF":
+        return _tiff_scan(data, limits.max_frames_checked)
+    try:
+        parse = {"JPEG": _jpeg_size, "PNG": _png_size, "WEBP": _webp_size, "BMP": _bmp_size}[fmt]
+        width, height = parse(data)
+    except struct.error as e:
+        raise _corrupt(fmt, "header cut short") from e
+    return width, height, None
+
+
+def _bmp_size(data: bytes) -> tuple[int, int]:
+    (header,) = struct.unpack_from("<I", data, 14)
+    if header == 12:  # OS/2 BITMAPCOREHEADER
+        width, height = struct.unpack_from("<HH", data, 18)
+        return width, height
+    width, height = struct.unpack_from("<ii", data, 18)
+    return width, abs(height)  # negative height: rows stored top-down
+
+
+def _check_size(width: int, height: int, limits: ImageLimits) -> None:
+    if width < 1 or height < 1:
+        raise InvalidRequest(f"the image declares an empty size {width}x{height}", code="corrupt_image")
+    if max(width, height) > limits.max_side or width * height > limits.max_pixels:
+        raise InvalidRequest(
+            f"the image declares {width}x{height} pixels; the limits are {limits.max_side} per side and "
+            f"{limits.max_pixels} in all. Downscale it before submitting",
+            code="too_many_pixels",
+        )
+
+
+# --- probe ---------------------------------------------------------------------------------------
+
+def _check_bytes(data: bytes, limits: ImageLimits) -> None:
+    if not data:
+        raise InvalidRequest("the image is empty (0 bytes)", code="empty_image")
+    if len(data) > limits.max_bytes:
+        raise InvalidRequest(
+            f"the image is {len(data)} bytes, over the limit of {limits.max_bytes}; recompress or downscale it",
+            code="image_too_large",
+        )
+
+
+def _orientation(im: ImageFile.ImageFile) -> int:
+    """EXIF orientation known before any pixel data is read (1 when absent or invalid)."""
+    value: object = None
+    try:
+        if isinstance(im, TiffImagePlugin.TiffImageFile):
+            value = im.tag_v2.get(0x0112)
+        elif im.info.get("exif"):
+            exif = Image.Exif()
+            exif.load(im.info["exif"])
+            value = exif.get(0x0112)
+    except _PIL_ERRORS:  # malformed EXIF: show the pixels as stored
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+@contextlib.contextmanager
+def _pil_warnings_ignored() -> Iterator[None]:
+    """Pillow reports malformed metadata (EXIF, APNG chunks) as UserWarning and carries on; so do we.
+
+    Without this, a process running with warnings as errors would refuse images that
+    every other process serves. ``catch_warnings`` is not thread-safe before Python
+    3.14; a race can only leave this Pillow-scoped filter on or off a little longer.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+        yield
+
+
+def _open(data: bytes, limits: ImageLimits) -> tuple[ImageInfo, ImageFile.ImageFile]:
+    with _pil_warnings_ignored():
+        return _open_quietly(data, limits)
+
+
+def _open_quietly(data: bytes, limits: ImageLimits) -> tuple[ImageInfo, ImageFile.ImageFile]:
+    _check_bytes(data, limits)
+    fmt = _sniff(data)
+    width, height, frames = _declared(data, fmt, limits)
+    _check_size(width, height, limits)
+    try:
+        im = _OPENERS[fmt](io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise InvalidRequest(f"the image is too large to decode safely: {e}", code="too_many_pixels") from e
+    except _PIL_ERRORS as e:
+        raise InvalidRequest(f"the {fmt} image is corrupt: {e}", code="corrupt_image") from e
+    _check_size(im.width, im.height, limits)
+    orientation = _orientation(im)
+    if frames is None:  # JPEG, BMP: 1; PNG (APNG) and WebP: from the headers Pillow has read
+        frames = min(int(getattr(im, "n_frames", 1)), limits.max_frames_checked)
+    swap = orientation >= 5 and fmt not in _SELF_ORIENTING
+    info = ImageInfo(
+        format=fmt, width=im.height if swap else im.width, height=im.width if swap else im.height,
+        orientation=orientation, mode=im.mode, n_frames=max(frames, 1),
+    )
+    return info, im
+
+
+def probe(data: bytes, limits: ImageLimits = ImageLimits()) -> ImageInfo:
+    """Reads an image's headers (no pixel decode) and checks it against the limits.
+
+    Args:
+        data: the encoded image.
+        limits: the limits to enforce.
+
+    Returns:
+        Format, displayed size, orientation, mode and frame count.
+
+    Raises:
+        InvalidRequest: with code ``empty_image``, ``image_too_large``,
+            ``not_an_image``, ``unsupported_format``, ``too_many_pixels`` or
+            ``corrupt_image`` (a header that cannot be parsed). Damage in the
+            pixel data is only found by :func:`decode`.
+    """
+    return _open(bytes(data), limits)[0]
+
+
+# --- decode --------------------------------------------------------------------------------------
+
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    """Converts a loaded image of any Pillow mode to 8-bit RGB (see the module docstring)."""
+    if im.mode.startswith("I;16") or im.mode == "I":
+        im = im.convert("I").point(lambda v: v / 257 + 0.5).convert("L")  # 16-bit range to 8-bit, rounded
+        im.info.pop("transparency", None)  # a 16-bit colour key no longer matches the scaled values
+    elif im.mode == "F":
+        im = im.convert("L")
+    if "A" in im.getbands() or "a" in im.getbands() or im.info.get("transparency") is not None:
+        rgba = im.convert("LA" if im.mode == "La" else im.mode).convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def decode(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
+    """Decodes the first frame of an image to canonical RGB with EXIF orientation applied.
+
+    Args:
+        data: the encoded image.
+        limits: the limits to enforce (checked again before decoding).
+
+    Returns:
+        A loaded ``RGB`` image of the displayed size.
+
+    Raises:
+        InvalidRequest: the codes of :func:`probe`, ``corrupt_image`` for truncated
+            or damaged pixel data, ``unsupported_format`` for a colour mode that
+            cannot be converted.
+        RuntimeError: ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` is set in this
+            process, which would let truncated images through.
+    """
+    if ImageFile.LOAD_TRUNCATED_IMAGES:
+        raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES is set; vlmq refuses to decode with it on")
+    with _pil_warnings_ignored():
+        return _decode_quietly(bytes(data), limits)
+
+
+def _decode_quietly(data: bytes, limits: ImageLimits) -> Image.Image:
+    info, im = _open_quietly(data, limits)
+    try:
+        im.load()
+    except Image.DecompressionBombError as e:
+        raise InvalidRequest(f"the image is too large to decode safely: {e}", code="too_many_pixels") from e
+    except _PIL_ERRORS as e:
+        raise InvalidRequest(f"the {info.format} image data is truncated or corrupt: {e}", code="corrupt_image") from e
+    try:
+        rgb = _to_rgb(im)
+    except ValueError as e:
+        raise InvalidRequest(f"colour mode {im.mode} is not supported: {e}", code="unsupported_format") from e
+    if info.orientation in _TRANSPOSE and info.format not in _SELF_ORIENTING:
+        rgb = rgb.transpose(_TRANSPOSE[info.orientation])
+    assert rgb.size == (info.width, info.height), (rgb.size, info)
+    return rgb
+
+
+def pixel_hash(img: Image.Image) -> str:
+    """Returns the sha256 hex digest of an RGB image's exact pixels and size.
+
+    This is the base of exact cache keys (callers add model id and processor
+    settings); two images hash equal only if every pixel is equal.
+
+    Args:
+        img: an ``RGB`` image, as returned by :func:`decode`.
+
+    Returns:
+        64 lowercase hex characters.
+
+    Raises:
+        ValueError: the image is not in mode ``RGB``.
+    """
+    if img.mode != "RGB":
+        raise ValueError(f"pixel_hash needs a canonical RGB image (see decode), got mode {img.mode}")
+    digest = hashlib.sha256(b"vlmq-rgb8\x00")
+    digest.update(struct.pack("<II", img.width, img.height))
+    digest.update(img.tobytes())
+    return digest.hexdigest()
+
+
+# --- sources ------------------------------------------------------------------------------------
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_STORAGE_PREFIXES = ("s3://", "file://")
+
+
+def is_storage_url(value: object) -> bool:
+    """Tells whether an image argument is a storage reference that the client resolves itself.
+
+    Args:
+        value: what the user passed as the image.
+
+    Returns:
+        True for an ``s3://`` or ``file://`` string (any letter case).
+    """
+    return isinstance(value, str) and value.lower().startswith(_STORAGE_PREFIXES)
+
+
+def _too_large(size: int, limits: ImageLimits) -> InvalidRequest:
+    return InvalidRequest(
+        f"the image is {size} bytes, over the limit of {limits.max_bytes}; recompress or downscale it",
+        code="image_too_large",
+    )
+
+
+def _read_stream(stream: IO[bytes], limits: ImageLimits) -> bytes:
+    data = stream.read(limits.max_bytes + 1)
+    if not isinstance(data, bytes | bytearray):
+        raise InvalidRequest("the file object must be opened in binary mode ('rb')", code="bad_image_source")
+    if len(data) > limits.max_bytes:
+        raise _too_large(len(data), limits)
+    return bytes(data)
+
+
+def _from_data_url(url: str, limits: ImageLimits) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.lower().endswith(";base64"):
+        raise InvalidRequest("data: URLs must be base64 encoded (data:image/png;base64,...)", code="bad_image_source")
+    if len(payload) * 3 // 4 > limits.max_bytes + 2:
+        raise _too_large(len(payload) * 3 // 4, limits)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as e:
+        raise InvalidRequest(f"the data: URL is not valid base64: {e}", code="bad_image_source") from e
+
+
+def _from_path(path: Path, limits: ImageLimits) -> bytes:
+    try:
+        with path.open("rb") as f:
+            return _read_stream(f, limits)
+    except FileNotFoundError as e:
+        raise InvalidRequest(f"no image file at {str(path)!r}", code="image_not_found") from e
+    except OSError as e:
+        raise InvalidRequest(f"cannot read image file {str(path)!r}: {e}", code="bad_image_source") from e
+
+
+def _from_pil(img: Image.Image, limits: ImageLimits) -> bytes:
+    _check_size(img.width, img.height, limits)
+    img.load()  # Pillow's TIFF plugin applies (and drops) the orientation tag on load: read EXIF after it
+    if img.mode not in ("1", "L", "LA", "P", "RGB", "RGBA", "I", "I;16"):
+        img = _to_rgb(img)  # PNG cannot store this mode; decode would produce the same pixels
+    buffer = io.BytesIO()
+    exif = img.getexif()
+    img.save(buffer, format="PNG", exif=exif.tobytes() if exif else b"")
+    return buffer.getvalue()
+
+
+def load_source(image: ImageSource, limits: ImageLimits = ImageLimits()) -> bytes:
+    """Returns the encoded bytes of an image given as a path, bytes, file object or PIL image.
+
+    Accepted: a local path (``str`` or ``os.PathLike``); ``bytes``, ``bytearray`` or
+    ``memoryview``; a binary file object (read from its current position); a
+    ``data:...;base64,`` URL; a PIL image (re-encoded losslessly as PNG, current
+    frame only, keeping its EXIF orientation). ``s3://`` and ``file://`` strings are
+    storage references the client resolves (see :func:`is_storage_url`); other URL
+    schemes such as ``http://`` are refused: remote fetching is not supported yet.
+
+    Args:
+        image: the image source.
+        limits: only ``max_bytes`` (and, for PIL images, the pixel limits) apply here.
+
+    Returns:
+        The encoded image bytes (not yet validated: call :func:`probe`).
+
+    Raises:
+        InvalidRequest: ``bad_image_source`` (unsupported type or URL scheme,
+            unreadable file), ``image_not_found`` (no such file),
+            ``image_too_large`` or ``too_many_pixels``.
+    """
+    if isinstance(image, bytes | bytearray | memoryview):
+        data = bytes(image)
+        if len(data) > limits.max_bytes:
+            raise _too_large(len(data), limits)
+        return data
+    if isinstance(image, Image.Image):
+        return _from_pil(image, limits)
+    if isinstance(image, str):
+        if is_storage_url(image):
+            raise InvalidRequest(
+                f"{image!r} is a storage URL; pass it to Client.submit, which resolves it through storage",
+                code="bad_image_source",
+            )
+        if image.lower().startswith("data:"):
+            return _from_data_url(image, limits)
+        if _SCHEME.match(image):
+            raise InvalidRequest(
+                f"cannot load {image[:80]!r}: remote URLs are not supported yet; download the image and pass its "
+                "bytes or path, or upload it to storage and pass its s3:// URL",
+                code="bad_image_source",
+            )
+        if not image:
+            raise InvalidRequest("the image path is empty", code="bad_image_source")
+        return _from_path(Path(image), limits)
+    if isinstance(image, os.PathLike):
+        return _from_path(Path(image), limits)
+    if hasattr(image, "read"):
+        return _read_stream(image, limits)
+    raise InvalidRequest(
+        f"cannot load an image from {type(image).__name__}; pass a path, bytes, a binary file or a PIL image",
+        code="bad_image_source",
+    )
