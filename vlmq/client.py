@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ import redis as redis_lib
 
 from vlmq import keys, records
 from vlmq.cost import CostEstimate, estimate
-from vlmq.errors import BackendError, InvalidRequest, JobNotFound
+from vlmq.errors import BackendError, InvalidRequest, JobNotFound, QueueFull
 from vlmq.images import ImageInfo, ImageLimits, load_source, probe
 from vlmq.jobs import Job, JobStatus, new_job_id, now
 from vlmq.models import ModelSpec, cost_classes, resolve_model
@@ -70,7 +71,8 @@ class Client:
         self.close()
 
     def submit(self, image: ImageSource, prompt: str, *, model: str = "tiny-shapes", max_new_tokens: int = 128,
-               priority: int = DEFAULT_PRIORITY, idempotency_key: str | None = None) -> Job:
+               priority: int = DEFAULT_PRIORITY, idempotency_key: str | None = None,
+               wait_for_room: float = 0.0, ignore_eos: bool = False) -> Job:
         """Validate, price and enqueue one image job.
 
         Args:
@@ -80,12 +82,15 @@ class Client:
             max_new_tokens: most tokens to generate (1 .. ``VLMQ_MAX_NEW_TOKENS``).
             priority: 0 (highest) to 9 (lowest).
             idempotency_key: submitting again with the same key returns the first job.
+            wait_for_room: when the class queue is full, wait up to this many seconds for room.
+            ignore_eos: generate exactly ``max_new_tokens`` tokens (benchmarks and load tests).
 
         Returns:
             A handle on the queued job.
 
         Raises:
             InvalidRequest: bad image or parameter; nothing was enqueued.
+            QueueFull: the class queue stayed at its limit (``VLMQ_MAX_QUEUE_DEPTH``); nothing was enqueued.
             BackendError: Redis or the object store failed.
         """
         spec = self._check_params(prompt, model, max_new_tokens, priority, idempotency_key)
@@ -94,10 +99,12 @@ class Client:
             if existing:
                 return Job(self, existing)
         priced = self._price(image, spec)
+        self._wait_for_room(spec.name, priced.cost.cost_class, wait_for_room)
         job_id = new_job_id()
         if idempotency_key and not self._claim_idempotency(idempotency_key, job_id):
             return Job(self, self._get(keys.idempotency(idempotency_key)) or job_id)
-        return self._enqueue(job_id, spec, priced, prompt, max_new_tokens, priority, idempotency_key)
+        extra = {"ignore_eos": int(bool(ignore_eos))}
+        return self._enqueue(job_id, spec, priced, prompt, max_new_tokens, priority, idempotency_key, extra)
 
     def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[Job]:
         """Submit several jobs; each mapping holds ``submit``'s arguments (``image``, ``prompt``, ...).
@@ -188,7 +195,7 @@ class Client:
         return data
 
     def _enqueue(self, job_id: str, spec: ModelSpec, priced: _Priced, prompt: str, max_new_tokens: int,
-                 priority: int, idempotency_key: str | None) -> Job:
+                 priority: int, idempotency_key: str | None, extra: dict[str, int]) -> Job:
         cost = priced.cost
         queue = keys.queue(spec.name, cost.cost_class)
         input_key = keys.input_object(priced.sha256)
@@ -200,7 +207,7 @@ class Client:
             "image_format": priced.info.format, "width": priced.info.width, "height": priced.info.height,
             "vision_tokens": cost.vision_tokens, "encoder_patches": cost.encoder_patches,
             "cost_class": cost.cost_class, "queue": queue, "created_at": repr(now()), "queued_at": repr(now()),
-            "idempotency_key": idempotency_key or "", "attempts": 0,
+            "idempotency_key": idempotency_key or "", "attempts": 0, **extra,
         }
         self._call(self.redis.hset, keys.job(job_id), mapping=record)
         try:
@@ -211,6 +218,17 @@ class Client:
             raise BackendError(f"could not enqueue job {job_id}: {e}") from e
         log.info("job %s queued on %s (%d vision tokens)", job_id, queue, cost.vision_tokens)
         return Job(self, job_id)
+
+    def _wait_for_room(self, model: str, cost_class: str, timeout: float) -> None:
+        limit = self.settings.queue_depth_limit(cost_class)
+        if not limit:
+            return
+        deadline = time.monotonic() + timeout
+        while (depth := self.queue_depth(model, cost_class)) >= limit:
+            if time.monotonic() >= deadline:
+                raise QueueFull(f"queue {keys.queue(model, cost_class)} holds {depth} jobs, its limit is {limit} "
+                                "(VLMQ_MAX_QUEUE_DEPTH); retry later or pass wait_for_room=seconds")
+            time.sleep(0.05)
 
     def _claim_idempotency(self, key: str, job_id: str) -> bool:
         return bool(self._call(self.redis.set, keys.idempotency(key), job_id, nx=True, ex=_IDEM_TTL))

@@ -15,13 +15,21 @@ PRIORITY_STEPS = list(range(10))  # 0 is the highest priority (Celery on Redis)
 DEFAULT_PRIORITY = 5
 
 
-def celery_config(settings: Settings, visibility_timeout: int = 3600) -> dict[str, Any]:
-    """Celery settings for the vlmq app."""
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings for the vlmq app.
+
+    Workers renew the visibility of what they hold (see ``vlmq.workers.lease``), so the
+    visibility timeout only bounds how long a dead worker's messages stay hidden; the
+    restore sweep runs every quarter of it instead of kombu's default ~100 s.
+    """
+    visibility_timeout = settings.visibility_timeout
     transport = {
         "priority_steps": PRIORITY_STEPS,
         "sep": ":",
         "queue_order_strategy": "priority",
         "visibility_timeout": visibility_timeout,
+        "unacked_restore_interval": max(1, min(10, visibility_timeout // 4)),
+        "unacked_restore_throttle": 1,
         "socket_connect_timeout": 3,
         "max_retries": 1,
     }
@@ -42,6 +50,9 @@ def celery_config(settings: Settings, visibility_timeout: int = 3600) -> dict[st
         "worker_prefetch_multiplier": 1,
         "worker_disable_prefetch": True,
         "worker_hijack_root_logger": False,
+        "worker_soft_shutdown_timeout": float(settings.shutdown_grace),
+        "worker_enable_soft_shutdown_on_idle": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
         "visibility_timeout": visibility_timeout,
     }
 

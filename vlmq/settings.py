@@ -17,6 +17,11 @@ ENV_VARS: dict[str, str] = {
     "VLMQ_MAX_IMAGE_BYTES": "largest image accepted, in bytes (default 20 MiB)",
     "VLMQ_MAX_IMAGE_PIXELS": "largest declared image size, in pixels (default 40,000,000)",
     "VLMQ_JOB_TTL": "seconds a job record is kept after it ends (default 7 days)",
+    "VLMQ_MAX_QUEUE_DEPTH": "submit raises QueueFull beyond this many waiting jobs per class: N or xs=N,s=M (0 = no limit)",
+    "VLMQ_VISIBILITY_TIMEOUT": "seconds before a message held by a dead worker is delivered again (default 300)",
+    "VLMQ_MAX_ATTEMPTS": "deliveries of a job that crashed or timed out before it is failed as poison (default 3)",
+    "VLMQ_SHUTDOWN_GRACE": "worker: seconds a SIGTERM waits for running jobs before handing them back (default 30)",
+    "VLMQ_STORAGE_RETRY": "worker: seconds to keep retrying an unreachable object store before handing a job back (default 300)",
     "VLMQ_WORKER_BUDGET": "worker: the sum of class cost bounds it may hold at once (default 32768 tokens)",
     "VLMQ_WORKER_BATCH": "worker: most jobs it holds at once (default 16)",
     "VLMQ_WORKER_CLASSES": "worker: cost classes it consumes (default all that fit its budget)",
@@ -66,6 +71,11 @@ class Settings:
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 40_000_000
     job_ttl: int = 7 * 24 * 3600
+    max_queue_depth: str = "0"
+    visibility_timeout: int = 300
+    max_attempts: int = 3
+    shutdown_grace: int = 30
+    storage_retry: int = 300
     worker_budget: int = 32768
     worker_batch: int = 16
     worker_classes: str = ""
@@ -74,13 +84,28 @@ class Settings:
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
-                     "max_image_pixels", "job_ttl", "worker_budget", "worker_batch"):
+                     "max_image_pixels", "job_ttl", "worker_budget", "worker_batch", "visibility_timeout",
+                     "max_attempts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.broker_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"broker_url must be a redis:// URL, got {self.broker_url!r}")
         if not self.storage_url.startswith(("s3://", "file://")):
             raise ValueError(f"storage_url must be s3://bucket/prefix or file:///dir, got {self.storage_url!r}")
+        if self.shutdown_grace < 0 or self.storage_retry < 0:
+            raise ValueError("shutdown_grace and storage_retry must not be negative")
+        self.queue_depth_limit("xs")  # validates the format
+
+    def queue_depth_limit(self, cost_class: str) -> int:
+        """Most jobs allowed to wait in one class queue (0 = no limit)."""
+        raw = self.max_queue_depth.strip() or "0"
+        try:
+            if "=" not in raw:
+                return int(raw)
+            limits = dict(part.split("=", 1) for part in raw.split(","))
+            return int(limits.get(cost_class, "0"))
+        except ValueError as e:
+            raise ValueError(f"max_queue_depth must be N or xs=N,s=M, got {raw!r}") from e
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -98,6 +123,11 @@ class Settings:
             "max_image_bytes": _int(env, "VLMQ_MAX_IMAGE_BYTES", 20 * 1024 * 1024),
             "max_image_pixels": _int(env, "VLMQ_MAX_IMAGE_PIXELS", 40_000_000),
             "job_ttl": _int(env, "VLMQ_JOB_TTL", 7 * 24 * 3600),
+            "max_queue_depth": env.get("VLMQ_MAX_QUEUE_DEPTH", "0"),
+            "visibility_timeout": _int(env, "VLMQ_VISIBILITY_TIMEOUT", 300),
+            "max_attempts": _int(env, "VLMQ_MAX_ATTEMPTS", 3),
+            "shutdown_grace": _int(env, "VLMQ_SHUTDOWN_GRACE", 30),
+            "storage_retry": _int(env, "VLMQ_STORAGE_RETRY", 300),
             "worker_budget": _int(env, "VLMQ_WORKER_BUDGET", 32768),
             "worker_batch": _int(env, "VLMQ_WORKER_BATCH", 16),
             "worker_classes": env.get("VLMQ_WORKER_CLASSES", ""),
@@ -120,6 +150,11 @@ class Settings:
             "VLMQ_MAX_IMAGE_BYTES": str(self.max_image_bytes),
             "VLMQ_MAX_IMAGE_PIXELS": str(self.max_image_pixels),
             "VLMQ_JOB_TTL": str(self.job_ttl),
+            "VLMQ_MAX_QUEUE_DEPTH": self.max_queue_depth,
+            "VLMQ_VISIBILITY_TIMEOUT": str(self.visibility_timeout),
+            "VLMQ_MAX_ATTEMPTS": str(self.max_attempts),
+            "VLMQ_SHUTDOWN_GRACE": str(self.shutdown_grace),
+            "VLMQ_STORAGE_RETRY": str(self.storage_retry),
             "VLMQ_WORKER_BUDGET": str(self.worker_budget),
             "VLMQ_WORKER_BATCH": str(self.worker_batch),
             "VLMQ_WORKER_CLASSES": self.worker_classes,

@@ -6,10 +6,11 @@ from typing import Any
 from vlmq.queue import TASK_NAME, make_celery
 from vlmq.settings import Settings
 from vlmq.workers.costgate import CostBudget, CostGate
-from vlmq.workers.jobrunner import WorkerContext, run_job
+from vlmq.workers.jobrunner import HandBack, WorkerContext, run_job
 
 
 def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget) -> Any:
+    from celery.exceptions import Reject
     from kombu import Queue
 
     app = make_celery(settings, name="vlmq-worker")
@@ -21,6 +22,10 @@ def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget) 
 
     @app.task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)
     def vlmq_run_job(job_id: str) -> str:
-        return run_job(ctx, job_id)
+        try:
+            return run_job(ctx, job_id)
+        except HandBack as e:
+            # not the job's fault: requeue it unacked for this or another worker
+            raise Reject(str(e), requeue=True) from e
 
     return app

@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from vlmq import keys, records
 from vlmq.errors import BackendError, InvalidRequest
@@ -18,6 +19,7 @@ from vlmq.workers.batcher import Batcher
 
 log = logging.getLogger(__name__)
 _ACTIVE = (JobStatus.QUEUED, JobStatus.STARTED)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -32,6 +34,10 @@ class WorkerContext:
     @property
     def limits(self) -> ImageLimits:
         return ImageLimits(max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_image_pixels)
+
+
+class HandBack(Exception):
+    """The job cannot be served now for reasons outside it (storage down): requeue its message, don't ack."""
 
 
 class JobError(Exception):
@@ -51,7 +57,11 @@ def run_job(ctx: WorkerContext, job_id: str) -> str:
     if JobStatus(record["status"]).is_final or ctx.redis.exists(keys.canceled(job_id)):
         log.info("job %s already %s; skipping", job_id, record["status"])
         return record["status"]
-    ctx.redis.hincrby(keys.job(job_id), "attempts", 1)
+    attempts = ctx.redis.hincrby(keys.job(job_id), "attempts", 1)
+    if attempts > ctx.settings.max_attempts:
+        # every earlier delivery crashed its worker or timed out: stop the loop here
+        return _fail(ctx, job_id, "poison", f"delivered {attempts} times; the previous {attempts - 1} deliveries "
+                     "crashed their worker or timed out", False)
     records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.STARTED, {"worker": ctx.name})
     log.info("job %s started on %s", job_id, ctx.name)
     try:
@@ -68,18 +78,18 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     if record["model"] != ctx.model:
         raise JobError("wrong_model", f"job is for model {record['model']!r}; this worker serves {ctx.model!r}")
     try:
-        data = ctx.storage.get(record["input_key"])
+        data = with_storage_retry(ctx, lambda: ctx.storage.get(record["input_key"]))
     except KeyError:
         raise JobError("input_missing", f"input object {record['input_key']} is not in storage") from None
-    except BackendError as e:
-        raise JobError("backend_error", str(e), retryable=True) from e
     t1 = time.monotonic()
     try:
         image = decode(data, ctx.limits)
     except InvalidRequest as e:
         raise JobError(e.code, str(e)) from e
     t2 = time.monotonic()
-    request = GenRequest(job_id, image, record["prompt"], int(record["max_new_tokens"]))
+    request = GenRequest(job_id, image, record["prompt"], int(record["max_new_tokens"]),
+                         ignore_eos=record.get("ignore_eos") == "1",
+                         canceled=lambda: bool(ctx.redis.exists(keys.canceled(job_id))))
     try:
         output = ctx.batcher.submit(request).result()
     except Exception as e:
@@ -104,12 +114,28 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
         "timings": timings, "worker": ctx.name, "finished_at": now(),
     }
     key = keys.result_object(job_id)
-    if not ctx.storage.put_if_absent(key, json.dumps(doc).encode()):
+    if not with_storage_retry(ctx, lambda: ctx.storage.put_if_absent(key, json.dumps(doc).encode())):
         log.info("job %s: a result already exists; keeping the first", job_id)
+        out = GenOutput("", json.loads(ctx.storage.get(key))["token_ids"], "", 0, 0)
     records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FINISHED,
                        {"result_key": key, "generated_tokens": len(out.token_ids)}, ttl=ctx.settings.job_ttl)
     log.info("job %s finished (%d tokens)", job_id, len(out.token_ids))
     return JobStatus.FINISHED.value
+
+
+def with_storage_retry(ctx: WorkerContext, call: Callable[[], T]) -> T:
+    """Run a storage call, retrying an unreachable store with backoff; hand the job back if it stays down."""
+    deadline = time.monotonic() + ctx.settings.storage_retry
+    delay = 0.2
+    while True:
+        try:
+            return call()
+        except BackendError as e:
+            if time.monotonic() + delay > deadline:
+                raise HandBack(f"object store unreachable for {ctx.settings.storage_retry} s: {e}") from e
+            log.warning("object store failed (%s); retrying in %.1f s", e, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def _fail(ctx: WorkerContext, job_id: str, code: str, message: str, retryable: bool) -> str:

@@ -54,6 +54,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.batcher import Batcher
     from vlmq.workers.costgate import CostBudget
     from vlmq.workers.jobrunner import WorkerContext
+    from vlmq.workers.lease import LeaseRenewer
 
     spec = resolve_model(model, settings)
     budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
@@ -64,6 +65,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
                         open_storage(settings.storage_url, settings.s3_endpoint_url),
                         Batcher(backend, settings.worker_batch), spec.name, name)
     app = make_worker_app(settings, ctx, budget)
+    LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
     log.info("worker %s serving %s on %s, queues %s", name, spec.name, settings.device, list(budget.queue_costs))
     app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
                      "--without-mingle", "--without-heartbeat", "--pool", "threads",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,8 @@ class GenRequest:
     image: Any  # PIL.Image.Image, canonical RGB
     prompt: str
     max_new_tokens: int
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, load tests)
+    canceled: Callable[[], bool] | None = None  # polled during generation; True stops this request
 
 
 @dataclass(slots=True)

@@ -4,12 +4,26 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoModelForImageTextToText
+from transformers import AutoModelForImageTextToText, StoppingCriteria, StoppingCriteriaList
 
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
 from vlmq.workers.models.processor import load_processor, render_prompt
 
 log = logging.getLogger(__name__)
+
+
+class CancelCriteria(StoppingCriteria):
+    """Stops the rows of canceled requests; polls every ``every`` decode steps."""
+
+    def __init__(self, batch: list[GenRequest], every: int = 8) -> None:
+        self.batch, self.every, self.steps = batch, every, 0
+        self.stopped = [False] * len(batch)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.stopped = [s or bool(r.canceled and r.canceled()) for s, r in zip(self.stopped, self.batch)]
+        return torch.tensor(self.stopped, dtype=torch.bool, device=input_ids.device)
 
 
 class HFBackend(Backend):
@@ -30,10 +44,10 @@ class HFBackend(Backend):
     def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
         # One padded batch per max_new_tokens value keeps generate's stopping exact per job.
         outputs: dict[int, GenOutput | Exception] = {}
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, bool], list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault(r.max_new_tokens, []).append(i)
-        for max_new, idx in groups.items():
+            groups.setdefault((r.max_new_tokens, r.ignore_eos), []).append(i)
+        for (max_new, _), idx in groups.items():
             batch = [requests[i] for i in idx]
             try:
                 results: list[GenOutput | Exception] = list(self._generate(batch, max_new))
@@ -54,16 +68,21 @@ class HFBackend(Backend):
         texts = [render_prompt(self.processor, r.prompt) for r in batch]
         inputs = self.processor(text=texts, images=[r.image for r in batch], return_tensors="pt", padding=True)
         inputs = inputs.to(self.device)
-        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                  pad_token_id=self.pad_id)
+        cancel = CancelCriteria(batch)
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id,
+                                  min_new_tokens=max_new_tokens if batch[0].ignore_eos else None,
+                                  stopping_criteria=StoppingCriteriaList([cancel]))
         prompt_len = inputs["input_ids"].shape[1]
-        return [self._output(inputs, out, row, prompt_len, max_new_tokens) for row in range(len(batch))]
+        outputs = [self._output(inputs, out, row, prompt_len, batch[row].ignore_eos) for row in range(len(batch))]
+        for output, stopped in zip(outputs, cancel.stopped, strict=True):
+            output.finish_reason = "canceled" if stopped else output.finish_reason
+        return outputs
 
-    def _output(self, inputs: dict, out: torch.Tensor, row: int, prompt_len: int, max_new: int) -> GenOutput:
+    def _output(self, inputs: dict, out: torch.Tensor, row: int, prompt_len: int, ignore_eos: bool) -> GenOutput:
         ids = out[row, prompt_len:].tolist()
         finish = "length"
         for n, t in enumerate(ids):
-            if t in self.eos_ids:
+            if t in self.eos_ids and not ignore_eos:
                 ids, finish = ids[:n], "stop"
                 break
         mask = inputs["attention_mask"][row]
