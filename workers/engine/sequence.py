@@ -1,0 +1,116 @@
+"""One generation request inside the engine (not the user-facing job: see vlmq.JobStatus)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+SeqId = int | str
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"  # never scheduled yet
+    RUNNING = "running"  # holds KV blocks; scheduled every step it has budget
+    PREEMPTED = "preempted"  # blocks freed; waits to recompute its whole token history
+    FINISHED_STOPPED = "finished_stopped"  # sampled an eos token
+    FINISHED_LENGTH = "finished_length"  # reached max_new_tokens
+    FINISHED_ABORTED = "finished_aborted"  # abort() from the caller
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePlaceholder:
+    """Where one image's tokens sit in the prompt.
+
+    `content_hash` is the image's exact identity, the encoder-cache key made by
+    `encoder_cache.make_key(pixel_hash, model_id, processor_settings)`. It also enters
+    the prefix-cache block hashes, because the pad tokens of two images are identical.
+    """
+
+    content_hash: str
+    offset: int  # index in token_ids of the first image (pad) token
+    num_tokens: int  # LM tokens the image occupies (merged patches)
+    num_patches: int  # ViT patches the encoder processes (4 × num_tokens for Qwen2-VL)
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.num_tokens < 1 or self.num_patches < 1 or not self.content_hash:
+            raise ValueError(f"invalid image placeholder {self!r}")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    eos_token_ids: tuple[int, ...] = ()
+    temperature: float = 0.0  # 0 = greedy; read by the runner's sampler, not the scheduler
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.temperature < 0:
+            raise ValueError(f"invalid sampling params {self!r}")
+
+
+class Sequence:
+    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "images", "sampling", "priority",
+                 "arrival_step", "status", "num_computed_tokens", "num_cached_tokens", "block_table",
+                 "block_hashes")
+
+    def __init__(self, seq_id: SeqId, token_ids: list[int], *, images: tuple[ImagePlaceholder, ...] = (),
+                 sampling: SamplingParams | None = None, priority: int = 0) -> None:
+        if not token_ids:
+            raise ValueError(f"sequence {seq_id!r} has an empty prompt")
+        images = tuple(sorted(images, key=lambda im: im.offset))
+        for i, img in enumerate(images):
+            if img.end > len(token_ids) or (i and images[i - 1].end > img.offset):
+                raise ValueError(f"sequence {seq_id!r}: image span {img.offset}..{img.end} is outside the prompt "
+                                 "or overlaps another image")
+        if priority < 0:
+            raise ValueError(f"sequence {seq_id!r}: priority must be >= 0 (0 is highest), got {priority}")
+        self.seq_id = seq_id
+        self.token_ids = list(token_ids)  # prompt followed by generated tokens
+        self.num_prompt_tokens = len(token_ids)
+        self.images = images
+        self.sampling = sampling or SamplingParams()
+        self.priority = priority  # 0 = highest, like Celery on Redis
+        self.arrival_step = 0  # scheduler step at add(); never reset, so aging survives preemption
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (reset by preemption)
+        self.num_cached_tokens = 0  # of those, tokens taken from the prefix cache at the last admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks of token_ids, filled lazily
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def max_num_kv_tokens(self) -> int:
+        # The last sampled token is never fed back, so it never needs a KV slot.
+        return self.num_prompt_tokens + self.sampling.max_new_tokens - 1
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if token_id in self.sampling.eos_token_ids:
+            self.status = SequenceStatus.FINISHED_STOPPED
+        elif self.num_completion_tokens >= self.sampling.max_new_tokens:
+            self.status = SequenceStatus.FINISHED_LENGTH
