@@ -103,8 +103,9 @@ class Client:
         job_id = new_job_id()
         if idempotency_key and not self._claim_idempotency(idempotency_key, job_id):
             return Job(self, self._get(keys.idempotency(idempotency_key)) or job_id)
-        extra = {"ignore_eos": int(bool(ignore_eos))}
-        return self._enqueue(job_id, spec, priced, prompt, max_new_tokens, priority, idempotency_key, extra)
+        options = {"prompt": prompt, "model": model, "max_new_tokens": max_new_tokens, "priority": priority,
+                   "idempotency_key": idempotency_key, "ignore_eos": ignore_eos}
+        return self._enqueue(job_id, spec, priced, options)
 
     def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[Job]:
         """Submit several jobs; each mapping holds ``submit``'s arguments (``image``, ``prompt``, ...).
@@ -115,17 +116,37 @@ class Client:
             InvalidRequest: naming the index of the first bad request; nothing was enqueued.
         """
         items = [dict(r) for r in requests]
+        specs = []
         for i, item in enumerate(items):
             try:
-                spec = self._check_params(item.get("prompt", ""), item.get("model", "tiny-shapes"),
-                                          item.get("max_new_tokens", 128), item.get("priority", DEFAULT_PRIORITY),
-                                          item.get("idempotency_key"))
+                item.setdefault("model", "tiny-shapes")
+                spec = self._check_params(item.get("prompt", ""), item["model"], item.get("max_new_tokens", 128),
+                                          item.get("priority", DEFAULT_PRIORITY), item.get("idempotency_key"))
                 item["image"] = self._price(item["image"], spec)
+                specs.append(spec)
             except InvalidRequest as e:
                 raise InvalidRequest(f"request {i}: {e}", code=e.code) from e
             except KeyError as e:
                 raise InvalidRequest(f"request {i}: missing {e}", code="missing_field") from e
-        return [self.submit(item.pop("image"), item.pop("prompt"), **item) for item in items]
+        if any(item.get("idempotency_key") or item.get("wait_for_room") for item in items):
+            return [self.submit(item.pop("image"), item.pop("prompt"), **item) for item in items]
+        return self._enqueue_bulk(items, specs)
+
+    def _enqueue_bulk(self, items: list[dict[str, Any]], specs: list[ModelSpec]) -> list[Job]:
+        # one storage check per distinct image, one Redis round trip for all records, one producer connection
+        for priced in {item["image"].sha256: item["image"] for item in items}.values():
+            self._store_input(priced)
+        for model, cost_class in {(spec.name, item["image"].cost.cost_class) for spec, item in zip(specs, items)}:
+            self._wait_for_room(model, cost_class, 0.0)
+        jobs = [(new_job_id(), spec, item) for spec, item in zip(specs, items, strict=True)]
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, spec, item in jobs:
+            pipe.hset(keys.job(job_id), mapping=self._record(job_id, spec, item["image"], item))
+        self._call(pipe.execute)
+        with self._celery.producer_or_acquire() as producer:
+            for job_id, _, item in jobs:
+                self._publish(job_id, item["image"].cost.cost_class, item, producer)
+        return [Job(self, job_id) for job_id, _, _ in jobs]
 
     def job(self, job_id: str) -> Job:
         """Handle on an existing job.
@@ -194,30 +215,40 @@ class Client:
                                  code="image_too_large")
         return data
 
-    def _enqueue(self, job_id: str, spec: ModelSpec, priced: _Priced, prompt: str, max_new_tokens: int,
-                 priority: int, idempotency_key: str | None, extra: dict[str, int]) -> Job:
-        cost = priced.cost
-        queue = keys.queue(spec.name, cost.cost_class)
+    def _enqueue(self, job_id: str, spec: ModelSpec, priced: _Priced, options: dict[str, Any]) -> Job:
+        self._store_input(priced)
+        self._call(self.redis.hset, keys.job(job_id), mapping=self._record(job_id, spec, priced, options))
+        self._publish(job_id, priced.cost.cost_class, options)
+        log.info("job %s queued (%s, %d vision tokens)", job_id, priced.cost.cost_class, priced.cost.vision_tokens)
+        return Job(self, job_id)
+
+    def _store_input(self, priced: _Priced) -> None:
         input_key = keys.input_object(priced.sha256)
         if not self.storage.exists(input_key):
             self.storage.put(input_key, priced.data)
-        record = {
-            "id": job_id, "status": JobStatus.QUEUED.value, "model": spec.name, "prompt": prompt,
-            "max_new_tokens": max_new_tokens, "priority": priority, "input_key": input_key,
-            "image_format": priced.info.format, "width": priced.info.width, "height": priced.info.height,
-            "vision_tokens": cost.vision_tokens, "encoder_patches": cost.encoder_patches,
-            "cost_class": cost.cost_class, "queue": queue, "created_at": repr(now()), "queued_at": repr(now()),
-            "idempotency_key": idempotency_key or "", "attempts": 0, **extra,
+
+    def _record(self, job_id: str, spec: ModelSpec, priced: _Priced, options: Mapping[str, Any]) -> dict[str, Any]:
+        cost, stamp = priced.cost, repr(now())
+        return {
+            "id": job_id, "status": JobStatus.QUEUED.value, "model": spec.name, "prompt": options["prompt"],
+            "max_new_tokens": options.get("max_new_tokens", 128), "priority": options.get("priority", DEFAULT_PRIORITY),
+            "input_key": keys.input_object(priced.sha256), "image_format": priced.info.format,
+            "width": priced.info.width, "height": priced.info.height, "vision_tokens": cost.vision_tokens,
+            "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class,
+            "queue": keys.queue(spec.name, cost.cost_class), "created_at": stamp, "queued_at": stamp,
+            "idempotency_key": options.get("idempotency_key") or "", "attempts": 0,
+            "ignore_eos": int(bool(options.get("ignore_eos", False))),
         }
-        self._call(self.redis.hset, keys.job(job_id), mapping=record)
+
+    def _publish(self, job_id: str, cost_class: str, options: Mapping[str, Any], producer: Any = None) -> None:
+        queue = keys.queue(options.get("model", "tiny-shapes"), cost_class)
         try:
-            self._celery.send_task(TASK_NAME, args=[job_id], queue=queue, priority=priority, retry=False)
+            self._celery.send_task(TASK_NAME, args=[job_id], queue=queue, retry=False, producer=producer,
+                                   priority=options.get("priority", DEFAULT_PRIORITY))
         except Exception as e:  # kombu/redis raise many connection errors; the job must not look queued
             records.transition(self.redis, job_id, [JobStatus.QUEUED], JobStatus.FAILED,
                                {"error_type": "backend_error", "error_message": f"publish failed: {e}"})
             raise BackendError(f"could not enqueue job {job_id}: {e}") from e
-        log.info("job %s queued on %s (%d vision tokens)", job_id, queue, cost.vision_tokens)
-        return Job(self, job_id)
 
     def _wait_for_room(self, model: str, cost_class: str, timeout: float) -> None:
         limit = self.settings.queue_depth_limit(cost_class)
@@ -245,6 +276,12 @@ class Client:
 
     def _read_record(self, job_id: str) -> dict[str, str]:
         return self._call(records.read, self.redis, job_id)  # type: ignore[no-any-return]
+
+    def _wait_done(self, job_id: str, timeout: float) -> None:
+        # LPOP + RPUSH back keeps the marker for other waiters; BLPOP blocks until it appears
+        popped = self._call(self.redis.blpop, [keys.done(job_id)], timeout=max(timeout, 0.01))
+        if popped:
+            self._call(self.redis.rpush, keys.done(job_id), popped[1])
 
     def _cancel(self, job_id: str) -> bool:
         self._call(self.redis.set, keys.canceled(job_id), "1", ex=self.settings.job_ttl)

@@ -106,12 +106,11 @@ class Job:
         """Current status."""
         return JobStatus(self.info()["status"])
 
-    def result(self, timeout: float | None = None, poll_interval: float = 0.05) -> JobResult:
+    def result(self, timeout: float | None = None) -> JobResult:
         """Wait for the job to end and return its result.
 
         Args:
             timeout: seconds to wait; None waits forever.
-            poll_interval: first polling interval (it backs off to 0.5 s).
 
         Returns:
             The result of a finished job.
@@ -127,11 +126,11 @@ class Job:
             status = JobStatus(record["status"])
             if status.is_final:
                 return self._final(status, record)
-            if deadline is not None and time.monotonic() >= deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise JobTimeout(f"job {self.id} still {status.value} after {timeout} s")
-            wait = poll_interval if deadline is None else min(poll_interval, max(0.0, deadline - time.monotonic()))
-            time.sleep(wait)
-            poll_interval = min(poll_interval * 1.5, 0.5)
+            # woken at once by the worker's final transition; re-read the record every second regardless
+            self._client._wait_done(self.id, min(1.0, left) if left is not None else 1.0)
 
     def _final(self, status: JobStatus, record: dict[str, str]) -> JobResult:
         if status is JobStatus.CANCELED:

@@ -14,6 +14,11 @@ def idempotency(key: str) -> str:
     return f"{PREFIX}idem:{key}"
 
 
+def done(job_id: str) -> str:
+    """List pushed once when a job reaches a final status; ``Job.result`` blocks on it."""
+    return f"{PREFIX}done:{job_id}"
+
+
 def canceled(job_id: str) -> str:
     """Durable cancellation flag, checked by workers before and during work."""
     return f"{PREFIX}cancel:{job_id}"

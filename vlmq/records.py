@@ -7,7 +7,7 @@ from typing import Any
 from vlmq import keys
 from vlmq.jobs import JobStatus, decode_record, now
 
-# KEYS[1]=job hash; ARGV[1]=allowed current statuses (comma separated), ARGV[2]=new status,
+# KEYS[1]=job hash, KEYS[2]=done list; ARGV[1]=allowed current statuses (comma separated), ARGV[2]=new status,
 # ARGV[3]=ttl seconds (0 = keep), ARGV[4..]=field, value pairs. Returns the previous status,
 # or false if the job is missing, or "!<status>" if the transition was refused.
 _TRANSITION = """
@@ -18,7 +18,11 @@ for s in string.gmatch(ARGV[1], '[^,]+') do if s == cur then allowed = true end 
 if not allowed then return '!' .. cur end
 redis.call('HSET', KEYS[1], 'status', ARGV[2])
 for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+if tonumber(ARGV[3]) > 0 then
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('RPUSH', KEYS[2], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], 600)
+end
 return cur
 """
 
@@ -27,13 +31,15 @@ def transition(redis: Any, job_id: str, allowed: Iterable[JobStatus], new: JobSt
                fields: Mapping[str, object] | None = None, ttl: int = 0) -> tuple[bool, str | None]:
     """Move a job to ``new`` if its status is one of ``allowed``; stamp ``<new>_at``.
 
+    A final status also wakes waiters blocked on the job's done list.
+
     Returns:
         (changed, previous status or None if the job does not exist).
     """
     pairs: list[object] = [f"{new.value}_at", repr(now())]
     for k, v in (fields or {}).items():
         pairs += [k, v]
-    reply = redis.eval(_TRANSITION, 1, keys.job(job_id), ",".join(s.value for s in allowed), new.value,
+    reply = redis.eval(_TRANSITION, 2, keys.job(job_id), keys.done(job_id), ",".join(s.value for s in allowed), new.value,
                        ttl if new.is_final else 0, *pairs)
     if reply is None:
         return False, None

@@ -1,12 +1,16 @@
 """The worker's Celery app: the vlmq task plus the cost gate."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vlmq.queue import TASK_NAME, make_celery
 from vlmq.settings import Settings
 from vlmq.workers.costgate import CostBudget, CostGate
-from vlmq.workers.jobrunner import HandBack, WorkerContext, run_job
+from vlmq.workers.batcher import HandBack
+from vlmq.workers.jobrunner import WorkerContext, hand_back, run_job
+
+log = logging.getLogger(__name__)
 
 
 def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget) -> Any:
@@ -19,6 +23,7 @@ def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget) 
     app.conf.worker_pool = "threads"
     app.vlmq_budget = budget
     app.steps["consumer"].add(CostGate)
+    _hand_back_on_shutdown(settings, ctx)
 
     @app.task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)
     def vlmq_run_job(job_id: str) -> str:
@@ -26,6 +31,25 @@ def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget) 
             return run_job(ctx, job_id)
         except HandBack as e:
             # not the job's fault: requeue it unacked for this or another worker
+            hand_back(ctx, job_id)
             raise Reject(str(e), requeue=True) from e
 
     return app
+
+
+def _hand_back_on_shutdown(settings: Settings, ctx: WorkerContext) -> None:
+    """SIGTERM: stop taking work, let running jobs finish for ``shutdown_grace`` s, then requeue the rest."""
+    import threading
+
+    from celery.signals import worker_shutting_down
+
+    @worker_shutting_down.connect(weak=False)
+    def _on_shutdown(**_: object) -> None:
+        def later() -> None:
+            handed = ctx.batcher.hand_back_all("worker shutting down")
+            if handed:
+                log.info("handed %d unfinished jobs back to the queue", handed)
+
+        timer = threading.Timer(settings.shutdown_grace, later)
+        timer.daemon = True
+        timer.start()

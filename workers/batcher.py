@@ -15,12 +15,17 @@ from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
 log = logging.getLogger(__name__)
 
 
+class HandBack(Exception):
+    """The job cannot be served here now (shutdown, storage outage): requeue its message, don't ack."""
+
+
 class Batcher:
     def __init__(self, backend: Backend, max_batch: int, linger_s: float = 0.02) -> None:
         self.backend = backend
         self.max_batch = max_batch
         self.linger_s = linger_s  # a short wait lets jobs reserved together run together
         self._pending: list[tuple[GenRequest, Future[GenOutput]]] = []
+        self._inflight: list[Future[GenOutput]] = []
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="vlmq-model", daemon=True)
@@ -40,6 +45,20 @@ class Batcher:
             self._stopped = True
             self._cond.notify()
 
+    def hand_back_all(self, reason: str) -> int:
+        """Stop taking work and fail every waiting or running request with ``HandBack``."""
+        with self._cond:
+            self._stopped = True
+            futures = [f for _, f in self._pending] + self._inflight
+            self._pending = []
+            self._cond.notify()
+        handed = 0
+        for future in futures:
+            if not future.done():
+                future.set_exception(HandBack(reason))
+                handed += 1
+        return handed
+
     def _take(self) -> list[tuple[GenRequest, Future[GenOutput]]]:
         with self._cond:
             while not self._pending and not self._stopped:
@@ -49,6 +68,7 @@ class Batcher:
         time.sleep(self.linger_s)
         with self._cond:
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+            self._inflight = [f for _, f in batch]
         return batch
 
     def _loop(self) -> None:
@@ -60,6 +80,8 @@ class Batcher:
                 log.exception("backend failed on a batch of %d", len(batch))
                 results = [e] * len(batch)
             for (_, future), result in zip(batch, results, strict=True):
+                if future.done():  # handed back during the batch
+                    continue
                 if isinstance(result, Exception):
                     future.set_exception(result)
                 else:

@@ -15,7 +15,7 @@ from vlmq.jobs import JobStatus, now
 from vlmq.settings import Settings
 from vlmq.storage import Storage
 from vlmq.workers.backends.base import GenOutput, GenRequest
-from vlmq.workers.batcher import Batcher
+from vlmq.workers.batcher import Batcher, HandBack
 
 log = logging.getLogger(__name__)
 _ACTIVE = (JobStatus.QUEUED, JobStatus.STARTED)
@@ -36,16 +36,19 @@ class WorkerContext:
         return ImageLimits(max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_image_pixels)
 
 
-class HandBack(Exception):
-    """The job cannot be served now for reasons outside it (storage down): requeue its message, don't ack."""
-
-
 class JobError(Exception):
     """A job failure with a code users see."""
 
     def __init__(self, code: str, message: str, retryable: bool = False) -> None:
         super().__init__(message)
         self.code, self.message, self.retryable = code, message, retryable
+
+
+def hand_back(ctx: WorkerContext, job_id: str) -> None:
+    """Undo this delivery's bookkeeping: a handed-back job is queued again and was no crash."""
+    ctx.redis.hincrby(keys.job(job_id), "attempts", -1)
+    records.transition(ctx.redis, job_id, [JobStatus.STARTED], JobStatus.QUEUED)
+    log.info("job %s handed back to the queue", job_id)
 
 
 def run_job(ctx: WorkerContext, job_id: str) -> str:
@@ -68,6 +71,8 @@ def run_job(ctx: WorkerContext, job_id: str) -> str:
         return _serve(ctx, job_id, record)
     except JobError as e:
         return _fail(ctx, job_id, e.code, e.message, e.retryable)
+    except HandBack:
+        raise
     except Exception as e:  # anything unexpected fails this job alone, with its traceback logged
         log.exception("job %s: unexpected failure", job_id)
         return _fail(ctx, job_id, "internal_error", f"{type(e).__name__}: {e}", True)
@@ -92,6 +97,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
                          canceled=lambda: bool(ctx.redis.exists(keys.canceled(job_id))))
     try:
         output = ctx.batcher.submit(request).result()
+    except HandBack:
+        raise
     except Exception as e:
         raise JobError("model_error", f"{type(e).__name__}: {e}", retryable=True) from e
     t3 = time.monotonic()

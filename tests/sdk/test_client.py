@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from PIL import Image
 from vlmq import keys
 from vlmq.client import Client
 from vlmq.embedded import free_port
-from vlmq.errors import BackendError, InvalidRequest, JobFailed, JobNotFound, JobTimeout
+from vlmq.errors import BackendError, InvalidRequest, JobFailed, JobNotFound, JobTimeout, QueueFull
 from vlmq.jobs import JobStatus
 from vlmq.settings import Settings
 
@@ -110,3 +111,22 @@ def test_redis_down_raises_backend_error_quickly(tmp_path: Path) -> None:
         with pytest.raises(BackendError):
             client.submit(png(), "Describe the image.")
         assert time.monotonic() - start < 10
+
+
+def test_full_queue_raises_queue_full_or_waits_for_room(redis_client: object, redis_url: str, tmp_path: Path) -> None:
+    settings = Settings(broker_url=redis_url, storage_url=f"file://{tmp_path}", max_queue_depth="xs=3,s=0")
+    with Client(settings=settings) as client:
+        for _ in range(3):
+            client.submit(png(), "Describe the image.")
+        with pytest.raises(QueueFull, match="limit is 3"):
+            client.submit(png(), "Describe the image.")
+        start = time.monotonic()
+        with pytest.raises(QueueFull):
+            client.submit(png(), "Describe the image.", wait_for_room=0.5)
+        assert 0.5 <= time.monotonic() - start < 3
+        client.submit(png(640, 480), "Describe the image.")  # class s has no limit
+        # a consumer takes one message: a waiting submit gets in
+        threading.Timer(0.3, lambda: client.redis.rpop("vlmq.tiny-shapes.xs:5")).start()
+        assert client.submit(png(), "Describe the image.", wait_for_room=5).status() is JobStatus.QUEUED
+        assert client.queue_depth("tiny-shapes", "xs") == 3
+        assert len(client.redis.keys(keys.job("*"))) == 5

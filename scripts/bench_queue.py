@@ -1,0 +1,185 @@
+"""Queue benchmark: vlmq submit rates and per-job queue overhead against plain Celery, same server, same run.
+
+Starts an embedded Redis-compatible server and measures, in one process run:
+  baseline  plain Celery apply_async loop (submits/s) and an unloaded task round trip (ms)
+  vlmq      single submits/s, bulk submit_many/s, several producer processes submitting at once,
+            draining every job with CPU worker(s), and the per-job overhead outside the model
+            (submit -> result latency minus the model's own time) on an unloaded pool.
+Prints a table and writes JSON (default bench-results/queue.json).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from PIL import Image
+
+from vlmq.client import Client
+from vlmq.embedded import start_valkey
+from vlmq.settings import Settings
+
+PROMPT = "How many shapes?"
+
+
+def tiny_png(i: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (56 + i % 16, 56), (i % 256, (i // 256) % 256, 9)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def baseline_app(broker: str):
+    from celery import Celery
+
+    app = Celery("bench", broker=broker, backend=broker)
+    app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json",
+                    worker_hijack_root_logger=False)
+
+    @app.task(name="bench.noop")
+    def noop(x: int) -> int:
+        return x
+
+    return app
+
+
+def run_baseline_worker(broker: str) -> None:
+    baseline_app(broker).worker_main(["worker", "--pool", "threads", "--concurrency", "4", "--loglevel", "WARNING",
+                                      "--without-gossip", "--without-mingle", "--without-heartbeat", "-Q", "bench"])
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_baseline(broker: str, n: int, trips: int) -> dict[str, float]:
+    app = baseline_app(broker)
+    t0 = time.perf_counter()
+    for i in range(n):
+        app.send_task("bench.noop", args=[i], queue="bench-unconsumed")
+    send_rate = n / (time.perf_counter() - t0)
+    worker = subprocess.Popen([sys.executable, __file__, "--baseline-worker", broker])
+    try:
+        app.send_task("bench.noop", args=[0], queue="bench").get(timeout=120)  # warm up
+        rtts = []
+        for i in range(trips):
+            t = time.perf_counter()
+            app.send_task("bench.noop", args=[i], queue="bench").get(timeout=60)
+            rtts.append((time.perf_counter() - t) * 1000)
+    finally:
+        worker.terminate()
+        worker.wait()
+    return {"submits_per_s": send_rate, "round_trip_ms_p50": statistics.median(rtts), "round_trip_ms_p99": pct(rtts, 0.99)}
+
+
+def producer(settings: Settings, offset: int, n: int, out: mp.Queue) -> None:
+    with Client(settings=settings) as client:
+        t0 = time.perf_counter()
+        ids = [client.submit(tiny_png(offset + i), PROMPT, max_new_tokens=1).id for i in range(n)]
+        out.put((ids, time.perf_counter() - t0))
+
+
+def start_worker(settings: Settings, log: Path, batch: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, **settings.to_env(), "VLMQ_WORKER_BATCH": str(batch)}
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "vlmq.workers.main"], env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def wait_ready(log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while " ready." not in log.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(log.read_text()[-2000:])
+        time.sleep(0.2)
+
+
+def bench_vlmq(settings: Settings, n: int, producers: int, workers: int, trips: int, tmp: Path) -> dict[str, float]:
+    res: dict[str, float] = {}
+    with Client(settings=settings) as client:
+        t0 = time.perf_counter()
+        single = [client.submit(tiny_png(i), PROMPT, max_new_tokens=1).id for i in range(n)]
+        res["single_submits_per_s"] = n / (time.perf_counter() - t0)
+        batch = [{"image": tiny_png(n + i), "prompt": PROMPT, "max_new_tokens": 1} for i in range(n)]
+        t0 = time.perf_counter()
+        bulk = [j.id for k in range(0, n, 500) for j in client.submit_many(batch[k:k + 500])]
+        res["bulk_submits_per_s"] = n / (time.perf_counter() - t0)
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    per = n // producers
+    procs = [ctx.Process(target=producer, args=(settings, 2 * n + p * per, per, out)) for p in range(producers)]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    parts = [out.get(timeout=600) for _ in procs]
+    res[f"{producers}_producers_submits_per_s"] = producers * per / (time.perf_counter() - t0)
+    all_ids = single + bulk + [i for ids, _ in parts for i in ids]
+    logs = [tmp / f"worker{i}.log" for i in range(workers)]
+    procs_w = [start_worker(settings, log, 32) for log in logs]
+    try:
+        for log in logs:
+            wait_ready(log)
+        t0 = time.perf_counter()
+        with Client(settings=settings) as client:
+            for job_id in all_ids:
+                client.job(job_id).result(timeout=1800)
+            res["drained_jobs"] = len(all_ids)
+            res["drain_jobs_per_s"] = len(all_ids) / (time.perf_counter() - t0)
+            res["lost_jobs"] = sum(client.job(i).status().value != "finished" for i in all_ids)
+            overheads, latencies = [], []
+            for i in range(trips):
+                t = time.perf_counter()
+                result = client.submit(tiny_png(10**6 + i), PROMPT, max_new_tokens=1).result(timeout=60)
+                latency = (time.perf_counter() - t) * 1000
+                latencies.append(latency)
+                overheads.append(latency - result.timings["model"] * 1000)
+        res["e2e_latency_ms_p50"] = statistics.median(latencies)
+        res["queue_overhead_ms_p50"] = statistics.median(overheads)
+        res["queue_overhead_ms_p99"] = pct(overheads, 0.99)
+    finally:
+        for w in procs_w:
+            w.terminate()
+            w.wait()
+    return res
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--baseline-worker":
+        run_baseline_worker(sys.argv[2])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2000, help="jobs per submit mode (three modes: total 3x)")
+    parser.add_argument("--producers", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--trips", type=int, default=50)
+    parser.add_argument("--out", default="bench-results/queue.json")
+    args = parser.parse_args()
+    server = start_valkey()
+    tmp = Path(tempfile.mkdtemp(prefix="vlmq-bench-"))
+    try:
+        base = bench_baseline(server.url, args.jobs, args.trips * 4)
+        settings = Settings(broker_url=server.url, storage_url=f"file://{tmp / 'store'}")
+        ours = bench_vlmq(settings, args.jobs, args.producers, args.workers, args.trips, tmp)
+    finally:
+        server.stop()
+    report = {"baseline_celery": base, "vlmq": ours, "jobs_per_mode": args.jobs, "cpus": os.cpu_count(),
+              "ratios": {"single_submit_vs_celery": ours["single_submits_per_s"] / base["submits_per_s"],
+                         "bulk_submit_vs_celery": ours["bulk_submits_per_s"] / base["submits_per_s"],
+                         "overhead_vs_celery_round_trip": ours["queue_overhead_ms_p50"] / base["round_trip_ms_p50"]}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"{'measure':<40} {'value':>12}")
+    for group, values in (("celery", base), ("vlmq", ours), ("ratio", report["ratios"])):
+        for k, v in values.items():
+            print(f"{group + ' ' + k:<40} {v:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

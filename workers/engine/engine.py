@@ -1,0 +1,267 @@
+"""The engine: preprocessing threads feeding a scheduler, and the step loop that drives the model runner.
+
+    engine = Engine.from_model_dir("workers/assets/tiny-shapes", device="cpu", num_blocks=2048)
+    outputs = engine.generate([Request(image, "Describe the image.", max_new_tokens=64)])   # batch
+    rid = engine.add_request(Request(...)); while engine.has_unfinished: done = engine.step()  # streaming
+
+Preprocessing (chat template, tokenizer, fast image preprocessing, pixel hash) runs on a small thread pool;
+finished requests are handed to the scheduler at the start of the next step, so the model never waits for it
+unless it has nothing else to run. A failed or too-large request fails alone (finish_reason "error").
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import time
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from vlmq.images import pixel_hash
+from vlmq.workers.models.loader import load_model
+from vlmq.workers.models.processor import load_processor, render_prompt
+
+from .config import EngineConfig
+from .encoder_cache import make_key
+from .model_runner import ModelRunner
+from .preprocess import ImagePreprocessor
+from .scheduler import Scheduler
+from .sequence import ImagePlaceholder, SamplingParams, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class Request:
+    image: Any  # PIL.Image.Image in mode RGB, or None for a text-only prompt
+    question: str
+    max_new_tokens: int = 64
+    ignore_eos: bool = False  # generate exactly max_new_tokens
+    priority: int = 0  # 0 runs first
+    temperature: float = 0.0  # 0 = greedy
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # completion; without the eos token when finish_reason == "stop"
+    text: str
+    finish_reason: str  # "stop", "length", "canceled" or "error"
+    prompt_tokens: int = 0
+    image_tokens: int = 0
+    error: Exception | None = None
+    arrival_time: float = 0.0  # time.perf_counter() at add_request
+    first_token_time: float | None = None
+    finish_time: float = 0.0
+
+
+@dataclass(slots=True)
+class _Prepared:
+    seq: Sequence
+    pixel_values: torch.Tensor  # [P, C*Tp*p*p]
+    grid_thw: torch.Tensor  # [N, 3]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_encoder_calls: int = 0
+    num_encoded_images: int = 0
+    encoder_cache_hits: int = 0  # images served from the encoder cache (another request encoded them)
+    encoder_cache_misses: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefix_cache_query_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=lambda: {"wait_preprocess": 0.0, "schedule": 0.0,
+                                                               "execute": 0.0, "update": 0.0})
+
+
+class Preprocessor:
+    """Request -> Sequence + pixels; thread-safe (reads only shared state after construction)."""
+
+    def __init__(self, processor, image_preprocessor: ImagePreprocessor, model_id: str, image_token_id: int,
+                 eos_token_ids: tuple[int, ...], share_encoder_outputs: bool = True) -> None:
+        self.processor, self.image_preprocessor = processor, image_preprocessor
+        self.image_token_id, self.eos_token_ids = image_token_id, eos_token_ids
+        self.model_id, self.share = model_id, share_encoder_outputs
+        self.settings = {"policy": asdict(image_preprocessor.policy), "image_mean": image_preprocessor.image_mean,
+                         "image_std": image_preprocessor.image_std, "rescale": image_preprocessor.rescale_factor}
+        self._prompt_ids: dict[str, list[int]] = {}  # question -> ids with ONE image pad (benign race)
+
+    def prompt_ids(self, question: str) -> list[int]:
+        ids = self._prompt_ids.get(question)
+        if ids is None:
+            text = render_prompt(self.processor, question)
+            ids = self._prompt_ids[question] = list(self.processor.tokenizer(text)["input_ids"])
+        return ids
+
+    def __call__(self, request_id: str, req: Request) -> _Prepared:
+        sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature)
+        ids = self.prompt_ids(req.question)
+        if req.image is None:
+            ids = [t for t in ids if t != self.image_token_id]
+            return _Prepared(Sequence(request_id, ids, sampling=sampling, priority=req.priority),
+                             torch.empty(0), torch.empty(0, 3, dtype=torch.long))
+        pixel_values, grid_thw = self.image_preprocessor([req.image])  # [P, D], [1, 3]
+        num_patches = int(grid_thw.prod())
+        num_tokens = num_patches // self.image_preprocessor.policy.merge_size ** 2
+        at = ids.index(self.image_token_id)
+        ids = ids[:at] + [self.image_token_id] * num_tokens + ids[at + 1:]
+        # Without sharing, every request gets its own key: no encoder-cache or image-prefix reuse across requests.
+        settings = self.settings if self.share else {**self.settings, "request": request_id}
+        key = make_key(pixel_hash(req.image), self.model_id, settings)
+        image = ImagePlaceholder(key, at, num_tokens, num_patches)
+        return _Prepared(Sequence(request_id, ids, images=(image,), sampling=sampling, priority=req.priority),
+                         pixel_values, grid_thw)
+
+
+class Engine:
+    def __init__(self, model, processor, config: EngineConfig, *, device: str | torch.device = "cpu",
+                 model_id: str = "model", eos_token_ids: tuple[int, ...] = (), share_encoder_outputs: bool = True,
+                 num_preprocess_threads: int = 1) -> None:
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.runner = ModelRunner(model, config, self.scheduler.encoder_cache, device)
+        self.tokenizer = processor.tokenizer
+        image_pre = ImagePreprocessor.from_preprocessor_config(processor.image_processor.to_dict())
+        self.preprocessor = Preprocessor(processor, image_pre, model_id, model.config.image_token_id, eos_token_ids,
+                                         share_encoder_outputs)
+        self.eos_token_ids = eos_token_ids
+        self.stats = EngineStats()
+        self._pool = ThreadPoolExecutor(num_preprocess_threads, thread_name_prefix="vlmq-preprocess")
+        self._ready: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()
+        self._preparing: set[str] = set()
+        self._meta: dict[str, RequestOutput] = {}  # request_id -> output being filled
+        self._done: list[RequestOutput] = []  # finished since the last step() returned
+        self._num_added = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", *,
+                       dtype: torch.dtype | None = None, model_id: str | None = None, share_encoder_outputs: bool = True,
+                       num_preprocess_threads: int = 1, **config: Any) -> Engine:
+        """Load model, processor and generation config; `config` holds EngineConfig fields."""
+        model_dir, device = Path(model_dir), torch.device(device)
+        dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        model = load_model(model_dir, device, dtype)
+        hidden = model.config.text_config.hidden_size
+        config.setdefault("encoder_bytes_per_token", hidden * torch.finfo(dtype).bits // 8)
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return cls(model, load_processor(model_dir), EngineConfig(**config), device=device,
+                   model_id=model_id or default_model_id(model_dir), eos_token_ids=eos_ids,
+                   share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads)
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request: Request, request_id: str | None = None) -> str:
+        request_id = request_id if request_id is not None else f"req-{self._num_added}"
+        self._num_added += 1
+        if request_id in self._meta:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        self._meta[request_id] = RequestOutput(request_id, [], "", "", arrival_time=time.perf_counter())
+        self._preparing.add(request_id)
+        future = self._pool.submit(self.preprocessor, request_id, request)
+        future.add_done_callback(lambda f: self._ready.put((request_id, f)))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its output (finish_reason "canceled", tokens so far) comes from the next step()."""
+        if request_id in self._preparing:
+            self._preparing.discard(request_id)  # dropped when its preprocessing completes
+            self._finish(request_id, "canceled")
+        elif (seq := self.scheduler.abort(request_id)) is not None:
+            self._finish(request_id, "canceled", seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._meta) or bool(self._done)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- the step loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit preprocessed requests, run one scheduler step; returns requests finished since the last call."""
+        t0 = time.perf_counter()
+        self._admit(block=not self.scheduler.has_unfinished and bool(self._preparing))
+        t1 = time.perf_counter()
+        if self.scheduler.has_unfinished:
+            out = self.scheduler.schedule()
+            t2 = time.perf_counter()
+            runner_out = self.runner.execute(out)
+            t3 = time.perf_counter()
+            finished = self.scheduler.update(runner_out)
+            self._after_step(out, finished, t3)
+            self._add_timings(t0, t1, t2, t3, time.perf_counter())
+        done, self._done = self._done, []
+        return done
+
+    def generate(self, requests: Seq[Request]) -> list[RequestOutput]:
+        """Run a batch to completion (continuously batched); outputs in request order."""
+        ids = [self.add_request(r) for r in requests]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            results.update((o.request_id, o) for o in self.step())
+        return [results[i] for i in ids]
+
+    def _admit(self, block: bool) -> None:
+        while True:
+            try:
+                request_id, future = self._ready.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if request_id not in self._preparing:  # aborted while preprocessing
+                continue
+            self._preparing.discard(request_id)
+            try:
+                prepared: _Prepared = future.result()
+                self.scheduler.add(prepared.seq)
+            except Exception as e:  # bad image, too long for the KV budget, ...: this request fails alone
+                self._finish(request_id, "error", error=e)
+                continue
+            self.runner.add_inputs(request_id, prepared.pixel_values, prepared.grid_thw)
+            meta = self._meta[request_id]
+            meta.prompt_tokens = prepared.seq.num_prompt_tokens
+            meta.image_tokens = sum(img.num_tokens for img in prepared.seq.images)
+
+    def _after_step(self, out, finished: list[Sequence], now: float) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(out.preempted_seq_ids)
+        for s in out.scheduled:
+            meta = self._meta.get(s.seq_id)
+            if s.sample and meta is not None and meta.first_token_time is None:
+                meta.first_token_time = now
+        for seq in finished:
+            reason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"
+            self._finish(seq.seq_id, reason, seq)
+        runner, cache, bm = self.runner, self.scheduler.encoder_cache, self.scheduler.block_manager
+        self.stats.num_encoder_calls, self.stats.num_encoded_images = runner.num_encoder_calls, runner.num_encoded_images
+        self.stats.encoder_cache_hits, self.stats.encoder_cache_misses = cache.hits, cache.misses
+        self.stats.prefix_cache_hit_tokens, self.stats.prefix_cache_query_tokens = bm.num_prefix_hits, bm.num_prefix_queries
+
+    def _add_timings(self, *t: float) -> None:
+        for name, a, b in zip(self.stats.timings, t, t[1:]):
+            self.stats.timings[name] += b - a
+
+    def _finish(self, request_id: str, reason: str, seq: Sequence | None = None, error: Exception | None = None) -> None:
+        out = self._meta.pop(request_id)
+        ids = seq.completion_token_ids if seq is not None else []
+        if reason == "stop" and ids and ids[-1] in self.eos_token_ids:
+            ids = ids[:-1]
+        out.token_ids, out.finish_reason, out.error = ids, reason, error
+        out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        out.finish_time = time.perf_counter()
+        self._done.append(out)
+
+
+def default_model_id(model_dir: Path) -> str:
+    # Folder name + config + weight files' names, sizes and mtimes: cheap, and changes when the checkpoint does.
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        st = f.stat()
+        h.update(json.dumps([f.name, st.st_size, st.st_mtime_ns]).encode())
+    return f"{model_dir.resolve().name}@{h.hexdigest()[:16]}"

@@ -1,0 +1,185 @@
+"""The one attention interface of the engine.
+
+Two entry points, both on flattened (packed) tokens:
+- `varlen_attention`: bidirectional attention within segments (`cu_seqlens`), used by the vision tower for
+  many images (and windows) in one call.
+- `paged_attention`: the LM path. Writes this step's K/V into the paged cache by `slot_mapping`, then each
+  sequence's queries attend over its cached context, causally within the step's chunk.
+
+The CPU path is plain torch (per-sequence gather from blocks + SDPA). On CUDA: `vlmq.kernels` stores K/V by
+slot and runs decode-only steps (paged split-KV decode); other steps use flash-attn's paged varlen kernel when
+it is installed and the block size allows, else the same torch path. Shared-prefix (cascade) attention and
+LSE merging from `vlmq.kernels` plug in here too, without touching the model code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional GPU extra
+    from flash_attn import flash_attn_varlen_func as _flash_varlen_func
+except ImportError:  # pragma: no cover - depends on the install
+    _flash_varlen_func = None
+
+try:  # our Triton kernels (KV store by slot, paged decode); they need triton only when they run on CUDA
+    from vlmq import kernels as _kernels
+except ImportError:  # pragma: no cover - depends on the install
+    _kernels = None
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and _kernels is not None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step attention layout; sequences appear in the flattened token batch in this order."""
+
+    query_lens: list[int]  # new tokens of each sequence in this step (prefill chunk length, or 1 for decode)
+    context_lens: list[int]  # tokens in the cache for each sequence after this step (includes the new ones)
+    block_tables: torch.Tensor  # [S, max_blocks] int32, cache block ids of each sequence (padded with 0)
+    slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) of every new token
+    cu_query_lens: torch.Tensor  # [S + 1] int32, token offsets of each sequence in the flattened batch
+    cu_context_lens: torch.Tensor  # [S + 1] int32
+    block_size: int
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        assert len(query_lens) == len(context_lens) == len(block_tables)
+        slots: list[int] = []
+        for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
+            assert 0 < q_len <= ctx_len <= len(table) * block_size
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx_len - q_len, ctx_len)]
+        width = max(len(t) for t in block_tables)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+
+        def cu(xs: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *xs], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+        return cls(
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            cu_query_lens=cu(query_lens),
+            cu_context_lens=cu(context_lens),
+            block_size=block_size,
+        )
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T]
+    if _use_kernels(k):
+        _kernels.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
+        return
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's keys/values, rotary applied); returns [T, H, D]."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if _use_kernels(q) and meta.max_query_len == 1:  # decode-only step: split-KV paged decode kernel
+        context_lens = meta.cu_context_lens[1:] - meta.cu_context_lens[:-1]
+        out, _ = _kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, context_lens, scale=scale, max_context_len=meta.max_context_len
+        )
+        return out
+    if _use_flash_paged(q, meta):
+        return _flash_varlen_func(
+            q, k_cache, v_cache, meta.cu_query_lens, meta.cu_context_lens, meta.max_query_len,
+            meta.max_context_len, softmax_scale=scale, causal=True, block_table=meta.block_tables,
+        )  # fmt: skip
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+        k_seq, v_seq = _gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, meta.block_size)
+        out[start : start + q_len] = _causal_tail_attention(q[start : start + q_len], k_seq, v_seq, scale)
+        start += q_len
+    return out
+
+
+def _use_flash_paged(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    # flash-attn's paged varlen path (causal is bottom-right aligned, as we need) wants pages of 256*k tokens
+    return (
+        q.is_cuda
+        and _flash_varlen_func is not None
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and meta.block_size % 256 == 0
+    )
+
+
+def _gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> k, v: [ctx_len, Hkv, D], the sequence's cached context in order
+    blocks = table[: math.ceil(ctx_len / block_size)].long()
+    k = k_cache[blocks].flatten(0, 1)[:ctx_len]
+    v = v_cache[blocks].flatten(0, 1)[:ctx_len]
+    return k, v
+
+
+def _causal_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q: [Q, H, D] are the last Q positions of the C keys in k, v: [C, Hkv, D]; query i sees keys j <= C - Q + i
+    q_len, ctx_len = q.shape[0], k.shape[0]
+    mask = None
+    if q_len > 1:
+        pos_q = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= pos_q[:, None]  # [Q, C]
+    return _sdpa(q, k, v, scale, mask)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    # q: [Q, H, D]; k, v: [C, Hkv, D] -> [Q, H, D]; grouped-query heads share K/V
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Bidirectional attention inside each segment. q, k, v: [N, H, D]; cu_seqlens: [S + 1] int32 -> [N, H, D]."""
+    if q.is_cuda and _flash_varlen_func is not None and q.dtype in (torch.float16, torch.bfloat16):
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return _flash_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scale)
+    bounds = cu_seqlens.tolist()
+    out = torch.empty_like(q)
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end > start:
+            out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale, None)
+    return out

@@ -1,0 +1,1 @@
+"""Model loading helpers (processors) shared by the worker and the scripts."""

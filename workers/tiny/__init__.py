@@ -1,0 +1,1 @@
+"""Bundled tiny shapes VLM: synthetic task, tokenizer, training helpers."""
