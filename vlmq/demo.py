@@ -68,18 +68,18 @@ def _wait_all(jobs: list[Job], timeout: float) -> None:
 
 
 def _table(jobs: list[Job], meta: list[tuple[str, str, str]]) -> int:
-    print(f"{'image':<16} {'class':<5} {'tokens':>6} {'ok':<3} {'secs':>5}  answer")
+    print(f"{'image':<22} {'class':<5} {'tokens':>6} {'ok':<3} {'secs':>5}  answer")
     correct = 0
     for job, (name, prompt, expected) in zip(jobs, meta, strict=True):
         info = job.info()
         if info["status"] != JobStatus.FINISHED.value:
-            print(f"{name:<16} {info['cost_class']:<5} {info['vision_tokens']:>6} --- {'':>5}  "
+            print(f"{name:<22} {info['cost_class']:<5} {info['vision_tokens']:>6} --- {'':>5}  "
                   f"[{info['status']}] {info.get('error_type', '')} {info.get('error_message', '')}")
             continue
         result = job.result()
         ok = result.text.strip() == expected.strip()
         correct += ok
-        print(f"{name:<16} {info['cost_class']:<5} {info['vision_tokens']:>6} {'yes' if ok else 'no':<3} "
+        print(f"{name:<22} {info['cost_class']:<5} {info['vision_tokens']:>6} {'yes' if ok else 'no':<3} "
               f"{result.timings['total']:5.2f}  {prompt} -> {result.text}")
     return correct
 

@@ -1,0 +1,58 @@
+"""Fault injection: 300 jobs through three workers that are SIGKILLed and restarted mid-batch."""
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from test_pool import png
+from workerproc import WorkerProcess
+
+from vlmq.client import Client
+from vlmq.jobs import JobStatus
+from vlmq.settings import Settings
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+NUM_JOBS, NUM_WORKERS, NUM_KILLS = 300, 3, 8
+
+
+def test_every_job_finishes_exactly_once_while_workers_are_killed(redis_url: str, s3_server, tmp_path: Path) -> None:
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    prefix = f"chaos-{int(time.time())}"
+    settings = Settings(broker_url=redis_url, storage_url=f"s3://vlmq-test/{prefix}", s3_endpoint_url=s3_server.url,
+                        visibility_timeout=6, max_attempts=50, worker_batch=8)
+    rng = random.Random(7)
+    workers = [WorkerProcess(settings, tmp_path / f"w{i}-0.log", "--name", f"w{i}") for i in range(NUM_WORKERS)]
+    kills = 0
+    try:
+        with Client(settings=settings) as client:
+            jobs = client.submit_many([{"image": png(96 + i % 5 * 40, 80, i), "prompt": "Describe the image.",
+                                        "max_new_tokens": 48, "ignore_eos": True} for i in range(NUM_JOBS)])
+            for w in workers:
+                w.wait_ready()
+            while kills < NUM_KILLS:
+                time.sleep(rng.uniform(3, 8))
+                busy = [i for i, w in enumerate(workers) if w.alive() and " started on " in w.log()]
+                if not busy:
+                    continue
+                i = rng.choice(busy)
+                workers[i].proc.send_signal(signal.SIGKILL)  # mid-batch: its held messages are unacked
+                workers[i].proc.wait()
+                kills += 1
+                workers[i] = WorkerProcess(settings, tmp_path / f"w{i}-{kills}.log", "--name", f"w{i}")
+            results = [job.result(timeout=900) for job in jobs]
+            assert {job.status() for job in jobs} == {JobStatus.FINISHED}
+            assert all(len(r.token_ids) == 48 for r in results)
+            listed = client.storage.client.list_objects_v2(Bucket="vlmq-test", Prefix=f"{prefix}/results/")
+            assert listed["KeyCount"] == NUM_JOBS  # one result object per job, none extra
+            attempts = [int(job.info()["attempts"]) for job in jobs]
+            assert max(attempts) >= 2, "no job was caught mid-batch by a kill"
+            assert client.redis.hlen("unacked") == 0
+            assert sum(client.queue_depth("tiny-shapes", c) for c in ("xs", "s")) == 0
+    finally:
+        for w in workers:
+            w.stop()
