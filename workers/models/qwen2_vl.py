@@ -38,6 +38,8 @@ def get_mrope_positions(
     i = seen = nxt = 0  # i: token index, seen: image tokens consumed, nxt: next position value
     for t, h, w in grids:
         start, n = image_at[seen], t * h * w // merge**2
+        if image_at[seen + n - 1] != start + n - 1:
+            raise ValueError(f"the {n} image tokens of image {t, h, w} at index {start} are not contiguous")
         pos[:, i:start] = torch.arange(nxt, nxt + start - i)
         nxt += start - i
         tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij")
