@@ -77,7 +77,8 @@ def bench_baseline(broker: str, n: int, trips: int) -> dict[str, float]:
     finally:
         worker.terminate()
         worker.wait()
-    return {"submits_per_s": send_rate, "round_trip_ms_p50": statistics.median(rtts), "round_trip_ms_p99": pct(rtts, 0.99)}
+    return {"submits_per_s": send_rate, "round_trip_ms_p50": statistics.median(rtts),
+            "round_trip_ms_p99": pct(rtts, 0.99)}
 
 
 def producer(settings: Settings, offset: int, n: int, out: mp.Queue) -> None:
@@ -90,7 +91,8 @@ def producer(settings: Settings, offset: int, n: int, out: mp.Queue) -> None:
 def start_worker(settings: Settings, log: Path, batch: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, **settings.to_env(), "VLMQ_WORKER_BATCH": str(batch)}
     with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "vlmq.workers.main"], env=env, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "vlmq.workers.main"], env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
 
 
 def wait_ready(log: Path, timeout: float = 300) -> None:

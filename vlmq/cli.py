@@ -22,11 +22,11 @@ def _cost(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     try:
-        from vlmq.workers.main import main_from_args
+        from vlmq.workers.main import main_from_args  # type: ignore[import-not-found,unused-ignore]
     except ImportError as e:
         print(f"vlmq worker needs the worker extra (pip install 'vlmq[worker]'): {e}", file=sys.stderr)
         return 2
-    return main_from_args(args)
+    return int(main_from_args(args))
 
 
 def _demo(args: argparse.Namespace) -> int:

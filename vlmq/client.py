@@ -48,7 +48,7 @@ class Client:
                  settings: Settings | None = None) -> None:
         base = settings or Settings()
         overrides = {k: v for k, v in (("broker_url", broker_url), ("storage_url", storage_url)) if v}
-        self.settings = dataclasses.replace(base, **overrides)
+        self.settings = dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
         self.redis = redis_lib.Redis.from_url(self.settings.broker_url, socket_connect_timeout=3, socket_timeout=10)
         self.storage: Storage = open_storage(self.settings.storage_url, self.settings.s3_endpoint_url)
         self._celery = make_celery(self.settings, name="vlmq-producer")
@@ -136,7 +136,8 @@ class Client:
         # one storage check per distinct image, one Redis round trip for all records, one producer connection
         for priced in {item["image"].sha256: item["image"] for item in items}.values():
             self._store_input(priced)
-        for model, cost_class in {(spec.name, item["image"].cost.cost_class) for spec, item in zip(specs, items)}:
+        classes = {(spec.name, item["image"].cost.cost_class) for spec, item in zip(specs, items, strict=True)}
+        for model, cost_class in classes:
             self._wait_for_room(model, cost_class, 0.0)
         jobs = [(new_job_id(), spec, item) for spec, item in zip(specs, items, strict=True)]
         pipe = self.redis.pipeline(transaction=False)
@@ -227,7 +228,8 @@ class Client:
         if not self.storage.exists(input_key):
             self.storage.put(input_key, priced.data)
 
-    def _record(self, job_id: str, spec: ModelSpec, priced: _Priced, options: Mapping[str, Any]) -> dict[str, Any]:
+    def _record(self, job_id: str, spec: ModelSpec, priced: _Priced,
+                options: Mapping[str, Any]) -> dict[Any, Any]:
         cost, stamp = priced.cost, repr(now())
         return {
             "id": job_id, "status": JobStatus.QUEUED.value, "model": spec.name, "prompt": options["prompt"],

@@ -79,7 +79,8 @@ def start_moto(port: int | None = None) -> Server:
     """Start moto's S3-compatible HTTP server on 127.0.0.1 (tests and local trials)."""
     port = port or free_port()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     wait_for_port(port, proc=proc)
     return Server(f"http://127.0.0.1:{port}", port, proc)

@@ -39,7 +39,8 @@ def transition(redis: Any, job_id: str, allowed: Iterable[JobStatus], new: JobSt
     pairs: list[object] = [f"{new.value}_at", repr(now())]
     for k, v in (fields or {}).items():
         pairs += [k, v]
-    reply = redis.eval(_TRANSITION, 2, keys.job(job_id), keys.done(job_id), ",".join(s.value for s in allowed), new.value,
+    allowed_csv = ",".join(s.value for s in allowed)
+    reply = redis.eval(_TRANSITION, 2, keys.job(job_id), keys.done(job_id), allowed_csv, new.value,
                        ttl if new.is_final else 0, *pairs)
     if reply is None:
         return False, None

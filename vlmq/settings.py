@@ -17,11 +17,11 @@ ENV_VARS: dict[str, str] = {
     "VLMQ_MAX_IMAGE_BYTES": "largest image accepted, in bytes (default 20 MiB)",
     "VLMQ_MAX_IMAGE_PIXELS": "largest declared image size, in pixels (default 40,000,000)",
     "VLMQ_JOB_TTL": "seconds a job record is kept after it ends (default 7 days)",
-    "VLMQ_MAX_QUEUE_DEPTH": "submit raises QueueFull beyond this many waiting jobs per class: N or xs=N,s=M (0 = no limit)",
+    "VLMQ_MAX_QUEUE_DEPTH": "waiting jobs per class before submit raises QueueFull: N or xs=N,s=M (0 = no limit)",
     "VLMQ_VISIBILITY_TIMEOUT": "seconds before a message held by a dead worker is delivered again (default 300)",
-    "VLMQ_MAX_ATTEMPTS": "deliveries of a job that crashed or timed out before it is failed as poison (default 3)",
+    "VLMQ_MAX_ATTEMPTS": "deliveries that crashed or timed out before a job fails as poison (default 3)",
     "VLMQ_SHUTDOWN_GRACE": "worker: seconds a SIGTERM waits for running jobs before handing them back (default 30)",
-    "VLMQ_STORAGE_RETRY": "worker: seconds to keep retrying an unreachable object store before handing a job back (default 300)",
+    "VLMQ_STORAGE_RETRY": "worker: seconds to retry an unreachable object store, then hand the job back (default 300)",
     "VLMQ_WORKER_BUDGET": "worker: the sum of class cost bounds it may hold at once (default 32768 tokens)",
     "VLMQ_WORKER_BATCH": "worker: most jobs it holds at once (default 16)",
     "VLMQ_WORKER_CLASSES": "worker: cost classes it consumes (default all that fit its budget)",
@@ -30,6 +30,8 @@ ENV_VARS: dict[str, str] = {
 }
 
 DEFAULT_COST_CLASSES = "xs=256,s=1024,m=4096,l=16384,xl"
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_STORAGE_URL = "file:///tmp/vlmq"
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -60,8 +62,8 @@ class Settings:
     Build it with ``Settings.from_env()`` or directly; every limit is explicit.
     """
 
-    broker_url: str = "redis://127.0.0.1:6379/0"
-    storage_url: str = "file:///tmp/vlmq"
+    broker_url: str = DEFAULT_BROKER_URL
+    storage_url: str = DEFAULT_STORAGE_URL
     s3_endpoint_url: str | None = None
     models: dict[str, str] = field(default_factory=dict)
     cost_classes: str = DEFAULT_COST_CLASSES
@@ -112,8 +114,8 @@ class Settings:
         """Read ``VLMQ_*`` variables (see ``ENV_VARS``); keyword overrides win."""
         env = os.environ if env is None else env
         values: dict[str, object] = {
-            "broker_url": env.get("VLMQ_BROKER_URL", cls.broker_url),
-            "storage_url": env.get("VLMQ_STORAGE_URL", cls.storage_url),
+            "broker_url": env.get("VLMQ_BROKER_URL", DEFAULT_BROKER_URL),
+            "storage_url": env.get("VLMQ_STORAGE_URL", DEFAULT_STORAGE_URL),
             "s3_endpoint_url": env.get("VLMQ_S3_ENDPOINT_URL") or env.get("AWS_ENDPOINT_URL") or None,
             "models": parse_models(env.get("VLMQ_MODELS", "")),
             "cost_classes": env.get("VLMQ_COST_CLASSES", DEFAULT_COST_CLASSES),

@@ -6,8 +6,8 @@ from typing import Any
 
 from vlmq.queue import TASK_NAME, make_celery
 from vlmq.settings import Settings
-from vlmq.workers.costgate import CostBudget, CostGate
 from vlmq.workers.batcher import HandBack
+from vlmq.workers.costgate import CostBudget, CostGate
 from vlmq.workers.jobrunner import WorkerContext, hand_back, run_job
 
 log = logging.getLogger(__name__)

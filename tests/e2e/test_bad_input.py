@@ -48,7 +48,8 @@ ODD_BUT_VALID = [
 
 
 @pytest.fixture(scope="module")
-def pool(redis_url: str, s3_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, WorkerProcess]]:
+def pool(redis_url: str, s3_server,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, WorkerProcess]]:
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()

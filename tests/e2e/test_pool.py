@@ -4,11 +4,10 @@ from __future__ import annotations
 import io
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
 from workerproc import WorkerProcess
+
 from vlmq.client import Client
 from vlmq.jobs import JobStatus
 from vlmq.settings import Settings
@@ -29,7 +28,8 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def pool(redis_url: str, s3_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, WorkerProcess]]:
+def pool(redis_url: str, s3_server,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, WorkerProcess]]:
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()
@@ -66,7 +66,8 @@ def test_fifty_jobs_of_three_classes_all_finish_with_full_results(pool: tuple[Se
             assert result.finish_reason in ("stop", "length")
             assert {"queue", "fetch", "decode_image", "model", "total"} <= set(result.timings)
         # the results really are in the S3-compatible server, one object per job
-        keys = {o["Key"] for o in client.storage.client.list_objects_v2(Bucket="vlmq-test", Prefix="e2e-pool/results/")["Contents"]}
+        listed = client.storage.client.list_objects_v2(Bucket="vlmq-test", Prefix="e2e-pool/results/")
+        keys = {o["Key"] for o in listed["Contents"]}
         assert keys == {f"e2e-pool/results/{job.id}.json" for job in jobs}
     assert worker.alive()
 

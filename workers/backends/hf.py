@@ -22,7 +22,8 @@ class CancelCriteria(StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
         self.steps += 1
         if self.steps % self.every == 0:
-            self.stopped = [s or bool(r.canceled and r.canceled()) for s, r in zip(self.stopped, self.batch)]
+            pairs = zip(self.stopped, self.batch, strict=True)
+            self.stopped = [s or bool(r.canceled and r.canceled()) for s, r in pairs]
         return torch.tensor(self.stopped, dtype=torch.bool, device=input_ids.device)
 
 
