@@ -112,6 +112,10 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
     if ctx.redis.exists(keys.canceled(job_id)):
         log.info("job %s canceled while running; result dropped", job_id)
         return JobStatus.CANCELED.value
+    status = JobStatus(records.read(ctx.redis, job_id).get("status", JobStatus.FAILED.value))
+    if status.is_final:  # another delivery already ended it (finished, or failed as poison)
+        log.info("job %s already %s; this delivery's result dropped", job_id, status.value)
+        return status.value
     timings["total"] = now() - float(record["created_at"])
     doc = {
         "job_id": job_id, "model": record["model"], "text": out.text, "token_ids": out.token_ids,
