@@ -38,7 +38,8 @@ def test_five_thousand_jobs_from_four_producers_all_finish(redis_url: str, tmp_p
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()
-    settings = Settings(broker_url=redis_url, storage_url=f"file://{tmp_path / 'store'}", worker_batch=32)
+    settings = Settings(broker_url=redis_url, storage_url=f"file://{tmp_path / 'store'}", worker_batch=32,
+                        worker_budget=32 * 2304)
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     producers = [ctx.Process(target=produce, args=(settings, p, out)) for p in range(NUM_PRODUCERS)]
