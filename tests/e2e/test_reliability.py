@@ -86,7 +86,7 @@ def test_killed_worker_jobs_come_back_and_poison_jobs_stop(settings: Settings, w
         assert job.info()["attempts"] == "3"
         assert not client.storage.exists(keys.result_object(job.id))
         # the worker carries on with other jobs
-        assert client.submit(png(100, 100, 5), PROMPT).result(timeout=300).token_ids
+        assert client.submit(png(100, 100, 5), PROMPT).result(timeout=300).finish_reason in ("stop", "length")
         assert survivor.alive()
 
 
@@ -112,7 +112,7 @@ def test_cancellation_is_durable_and_stops_running_jobs(settings: Settings, work
         wait_status(running, JobStatus.STARTED, timeout=180)
         assert running.cancel()
         after = client.submit(png(100, 100, 3), PROMPT)
-        assert after.result(timeout=300).token_ids
+        assert after.result(timeout=300).finish_reason in ("stop", "length")
         for job in (queued, running):
             assert job.status() is JobStatus.CANCELED
             assert not client.storage.exists(keys.result_object(job.id))
@@ -136,7 +136,7 @@ def test_object_store_outage_delays_jobs_without_losing_them(settings: Settings,
         assert "object store failed" in w.log()
         proxy.start()
         for job in jobs:
-            assert job.result(timeout=300).token_ids
+            assert job.result(timeout=300).finish_reason in ("stop", "length")
             assert job.info()["attempts"] == "1", "an outage must not count as a crash"
 
 
@@ -147,12 +147,12 @@ def test_workers_reconnect_after_a_redis_restart(s3_server, s3_storage_url: str,
         w = start(workers, settings, tmp_path, "w")
         w.wait_ready()
         with Client(settings=settings) as client:
-            assert client.submit(png(100, 100, 1), PROMPT).result(timeout=300).token_ids
+            assert client.submit(png(100, 100, 1), PROMPT).result(timeout=300).finish_reason in ("stop", "length")
         server.stop()
         time.sleep(3)
         server = start_valkey(server.port)
         with Client(settings=settings) as client:
-            assert client.submit(png(100, 100, 2), PROMPT).result(timeout=300).token_ids
+            assert client.submit(png(100, 100, 2), PROMPT).result(timeout=300).finish_reason in ("stop", "length")
         assert w.alive()
     finally:
         server.stop()
