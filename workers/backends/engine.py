@@ -8,7 +8,8 @@ from vlmq.workers.engine.engine import Engine, Request, RequestOutput
 
 
 class EngineBackend(Backend):
-    def __init__(self, model_dir: str, device: str = "cpu", *, cancel_poll_every: int = 8, **engine_config: Any) -> None:
+    def __init__(self, model_dir: str, device: str = "cpu", *, cancel_poll_every: int = 8,
+                 **engine_config: Any) -> None:
         """`engine_config`: EngineConfig fields and Engine.from_model_dir options (num_blocks, dtype, ...)."""
         self.model_dir = str(model_dir)
         self.engine = Engine.from_model_dir(model_dir, device, **engine_config)

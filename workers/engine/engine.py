@@ -4,15 +4,15 @@
     outputs = engine.generate([Request(image, "Describe the image.", max_new_tokens=64)])   # batch
     rid = engine.add_request(Request(...)); while engine.has_unfinished: done = engine.step()  # streaming
 
-Preprocessing (chat template, tokenizer, fast image preprocessing, pixel hash) runs on a small thread pool;
-finished requests are handed to the scheduler at the start of the next step, so the model never waits for it
-unless it has nothing else to run. A failed or too-large request fails alone (finish_reason "error").
+Preprocessing (chat template, tokenizer, fast image preprocessing, pixel hash) runs on a thread pool; prepared
+requests join the scheduler at the start of a step, so the model waits for it only when it has nothing to run.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import queue
+import threading
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +37,7 @@ from .sequence import ImagePlaceholder, SamplingParams, Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class Request:
-    image: Any  # PIL.Image.Image in mode RGB, or None for a text-only prompt
+    image: Any  # PIL.Image.Image in mode RGB
     question: str
     max_new_tokens: int = 64
     ignore_eos: bool = False  # generate exactly max_new_tokens
@@ -70,18 +70,20 @@ class _Prepared:
 class EngineStats:
     num_steps: int = 0
     num_preemptions: int = 0
+    num_deferred_admissions: int = 0  # requests held back until another one computed their shared image
     num_encoder_calls: int = 0
     num_encoded_images: int = 0
     encoder_cache_hits: int = 0  # images served from the encoder cache (another request encoded them)
     encoder_cache_misses: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefix_cache_query_tokens: int = 0
-    timings: dict[str, float] = field(default_factory=lambda: {"wait_preprocess": 0.0, "schedule": 0.0,
-                                                               "execute": 0.0, "update": 0.0})
+    # seconds per phase of step(); "wait_preprocess" is time the step loop waited for preprocessing
+    timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("wait_preprocess", "schedule", "execute", "update"), 0.0))
 
 
 class Preprocessor:
-    """Request -> Sequence + pixels; thread-safe (reads only shared state after construction)."""
+    """Request -> Sequence + pixels, on the preprocessing threads. Raises on a bad request (it fails alone)."""
 
     def __init__(self, processor, image_preprocessor: ImagePreprocessor, model_id: str, image_token_id: int,
                  eos_token_ids: tuple[int, ...], share_encoder_outputs: bool = True) -> None:
@@ -90,22 +92,25 @@ class Preprocessor:
         self.model_id, self.share = model_id, share_encoder_outputs
         self.settings = {"policy": asdict(image_preprocessor.policy), "image_mean": image_preprocessor.image_mean,
                          "image_std": image_preprocessor.image_std, "rescale": image_preprocessor.rescale_factor}
-        self._prompt_ids: dict[str, list[int]] = {}  # question -> ids with ONE image pad (benign race)
+        self._prompt_ids: dict[str, list[int]] = {}  # question -> ids with ONE image pad
+        self._lock = threading.Lock()
 
     def prompt_ids(self, question: str) -> list[int]:
         ids = self._prompt_ids.get(question)
         if ids is None:
             text = render_prompt(self.processor, question)
-            ids = self._prompt_ids[question] = list(self.processor.tokenizer(text)["input_ids"])
+            with self._lock:  # a fast tokenizer must not be entered from two threads at once
+                ids = list(self.processor.tokenizer(text)["input_ids"])
+                if len(self._prompt_ids) >= 4096:  # bounded: prompts are free-form text
+                    self._prompt_ids.clear()
+                self._prompt_ids[question] = ids
         return ids
 
     def __call__(self, request_id: str, req: Request) -> _Prepared:
+        if req.image is None:
+            raise ValueError("a request needs an image (PIL RGB); text-only prompts are not supported")
         sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature)
         ids = self.prompt_ids(req.question)
-        if req.image is None:
-            ids = [t for t in ids if t != self.image_token_id]
-            return _Prepared(Sequence(request_id, ids, sampling=sampling, priority=req.priority),
-                             torch.empty(0), torch.empty(0, 3, dtype=torch.long))
         pixel_values, grid_thw = self.image_preprocessor([req.image])  # [P, D], [1, 3]
         num_patches = int(grid_thw.prod())
         num_tokens = num_patches // self.image_preprocessor.policy.merge_size ** 2
@@ -135,14 +140,16 @@ class Engine:
         self._pool = ThreadPoolExecutor(num_preprocess_threads, thread_name_prefix="vlmq-preprocess")
         self._ready: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()
         self._preparing: set[str] = set()
+        self._held: list[_Prepared] = []  # prepared, waiting for a leader to compute their shared image
+        self._leaders: dict[str, Sequence] = {}  # image key -> the request that computes its KV first
         self._meta: dict[str, RequestOutput] = {}  # request_id -> output being filled
         self._done: list[RequestOutput] = []  # finished since the last step() returned
         self._num_added = 0
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", *,
-                       dtype: torch.dtype | None = None, model_id: str | None = None, share_encoder_outputs: bool = True,
-                       num_preprocess_threads: int = 1, **config: Any) -> Engine:
+                       dtype: torch.dtype | None = None, model_id: str | None = None,
+                       share_encoder_outputs: bool = True, num_preprocess_threads: int = 1, **config: Any) -> Engine:
         """Load model, processor and generation config; `config` holds EngineConfig fields."""
         model_dir, device = Path(model_dir), torch.device(device)
         dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -150,12 +157,11 @@ class Engine:
         hidden = model.config.text_config.hidden_size
         config.setdefault("encoder_bytes_per_token", hidden * torch.finfo(dtype).bits // 8)
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         return cls(model, load_processor(model_dir), EngineConfig(**config), device=device,
-                   model_id=model_id or default_model_id(model_dir), eos_token_ids=eos_ids,
+                   model_id=model_id or default_model_id(model_dir),
+                   eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                    share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads)
 
-    # -- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request, request_id: str | None = None) -> str:
         request_id = request_id if request_id is not None else f"req-{self._num_added}"
         self._num_added += 1
@@ -172,6 +178,9 @@ class Engine:
         if request_id in self._preparing:
             self._preparing.discard(request_id)  # dropped when its preprocessing completes
             self._finish(request_id, "canceled")
+        elif any(p.seq.seq_id == request_id for p in self._held):
+            self._held = [p for p in self._held if p.seq.seq_id != request_id]
+            self._finish(request_id, "canceled")
         elif (seq := self.scheduler.abort(request_id)) is not None:
             self._finish(request_id, "canceled", seq)
 
@@ -182,11 +191,10 @@ class Engine:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    # -- the step loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit preprocessed requests, run one scheduler step; returns requests finished since the last call."""
         t0 = time.perf_counter()
-        self._admit(block=not self.scheduler.has_unfinished and bool(self._preparing))
+        self._admit()
         t1 = time.perf_counter()
         if self.scheduler.has_unfinished:
             out = self.scheduler.schedule()
@@ -195,7 +203,9 @@ class Engine:
             t3 = time.perf_counter()
             finished = self.scheduler.update(runner_out)
             self._after_step(out, finished, t3)
-            self._add_timings(t0, t1, t2, t3, time.perf_counter())
+            marks = (t0, t1, t2, t3, time.perf_counter())
+            for name, a, b in zip(self.stats.timings, marks[:-1], marks[1:], strict=True):
+                self.stats.timings[name] += b - a
         done, self._done = self._done, []
         return done
 
@@ -207,7 +217,11 @@ class Engine:
             results.update((o.request_id, o) for o in self.step())
         return [results[i] for i in ids]
 
-    def _admit(self, block: bool) -> None:
+    def _admit(self) -> None:
+        held, self._held = self._held, []
+        for prepared in held:  # followers whose leader computed the shared image (or went away) join now
+            self._add(prepared, retry=True)
+        block = not self.scheduler.has_unfinished and bool(self._preparing)  # nothing to run: wait for input
         while True:
             try:
                 request_id, future = self._ready.get(block=block)
@@ -218,15 +232,41 @@ class Engine:
                 continue
             self._preparing.discard(request_id)
             try:
-                prepared: _Prepared = future.result()
-                self.scheduler.add(prepared.seq)
-            except Exception as e:  # bad image, too long for the KV budget, ...: this request fails alone
+                self._add(future.result())
+            except Exception as e:  # bad image, ...: this request fails alone
                 self._finish(request_id, "error", error=e)
+
+    def _add(self, prepared: _Prepared, retry: bool = False) -> None:
+        seq = prepared.seq
+        if self._follows(seq):
+            self._held.append(prepared)
+            self.stats.num_deferred_admissions += not retry
+            return
+        try:
+            self.scheduler.add(seq)
+        except Exception as e:  # too long for the KV budget, ...
+            self._finish(seq.seq_id, "error", error=e)
+            return
+        for img in seq.images:
+            self._leaders.setdefault(img.content_hash, seq)
+        self.runner.add_inputs(seq.seq_id, prepared.pixel_values, prepared.grid_thw)
+        meta = self._meta[seq.seq_id]
+        meta.prompt_tokens, meta.image_tokens = seq.num_prompt_tokens, sum(img.num_tokens for img in seq.images)
+
+    def _follows(self, seq: Sequence) -> bool:
+        # Prefix-aware admission: while another request is still prefilling the same image, wait for its KV
+        # blocks to be computed and registered, then take them from the prefix cache instead of recomputing.
+        if not self.config.enable_prefix_caching:
+            return False
+        for img in seq.images:
+            leader = self._leaders.get(img.content_hash)
+            if leader is None:
                 continue
-            self.runner.add_inputs(request_id, prepared.pixel_values, prepared.grid_thw)
-            meta = self._meta[request_id]
-            meta.prompt_tokens = prepared.seq.num_prompt_tokens
-            meta.image_tokens = sum(img.num_tokens for img in prepared.seq.images)
+            if leader.status not in (SequenceStatus.WAITING, SequenceStatus.RUNNING):  # preempted or finished
+                del self._leaders[img.content_hash]
+            elif leader.num_computed_tokens < img.end:
+                return True
+        return False
 
     def _after_step(self, out, finished: list[Sequence], now: float) -> None:
         self.stats.num_steps += 1
@@ -236,19 +276,18 @@ class Engine:
             if s.sample and meta is not None and meta.first_token_time is None:
                 meta.first_token_time = now
         for seq in finished:
-            reason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"
-            self._finish(seq.seq_id, reason, seq)
-        runner, cache, bm = self.runner, self.scheduler.encoder_cache, self.scheduler.block_manager
-        self.stats.num_encoder_calls, self.stats.num_encoded_images = runner.num_encoder_calls, runner.num_encoded_images
-        self.stats.encoder_cache_hits, self.stats.encoder_cache_misses = cache.hits, cache.misses
-        self.stats.prefix_cache_hit_tokens, self.stats.prefix_cache_query_tokens = bm.num_prefix_hits, bm.num_prefix_queries
+            self._finish(seq.seq_id, "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length", seq)
+        st, cache, bm = self.stats, self.scheduler.encoder_cache, self.scheduler.block_manager
+        st.num_encoder_calls, st.num_encoded_images = self.runner.num_encoder_calls, self.runner.num_encoded_images
+        st.encoder_cache_hits, st.encoder_cache_misses = cache.hits, cache.misses
+        st.prefix_cache_hit_tokens, st.prefix_cache_query_tokens = bm.num_prefix_hits, bm.num_prefix_queries
 
-    def _add_timings(self, *t: float) -> None:
-        for name, a, b in zip(self.stats.timings, t, t[1:]):
-            self.stats.timings[name] += b - a
-
-    def _finish(self, request_id: str, reason: str, seq: Sequence | None = None, error: Exception | None = None) -> None:
+    def _finish(self, request_id: str, reason: str, seq: Sequence | None = None,
+                error: Exception | None = None) -> None:
         out = self._meta.pop(request_id)
+        for img in seq.images if seq is not None else ():
+            if self._leaders.get(img.content_hash) is seq:
+                del self._leaders[img.content_hash]
         ids = seq.completion_token_ids if seq is not None else []
         if reason == "stop" and ids and ids[-1] in self.eos_token_ids:
             ids = ids[:-1]

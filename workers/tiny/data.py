@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from vlmq.workers.tiny import shapes
 
 IGNORE = -100

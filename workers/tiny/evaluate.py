@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from vlmq.workers.models.processor import render_prompt
 
 

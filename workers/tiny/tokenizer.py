@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
+
 from vlmq.workers.tiny import shapes
 
 # Qwen2's pre-tokenization regex (split on contractions, letters, single digits, punctuation, spaces)
