@@ -14,6 +14,10 @@ import pytest
 
 from vlmq.embedded import Server, start_moto, start_valkey
 
+# Triton kernels run through the interpreter on CPU-only machines; this must be set before any
+# test module imports a kernel module (they read it when their @triton.jit functions are created).
+if not os.path.exists("/dev/nvidiactl") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
