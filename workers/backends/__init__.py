@@ -1,4 +1,4 @@
-"""Model backends a worker can run: ``hf`` (plain transformers generate, the reference)."""
+"""Model backends a worker can run: ``hf`` (plain transformers generate, the reference) and ``engine``."""
 from __future__ import annotations
 
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
@@ -12,4 +12,8 @@ def load_backend(name: str, model_dir: str, device: str) -> Backend:
         from vlmq.workers.backends.hf import HFBackend
 
         return HFBackend(model_dir, device)
-    raise ValueError(f"unknown backend {name!r}; available: hf")
+    if name == "engine":
+        from vlmq.workers.backends.engine import EngineBackend
+
+        return EngineBackend(model_dir, device)
+    raise ValueError(f"unknown backend {name!r}; available: hf, engine")

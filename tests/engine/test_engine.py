@@ -1,0 +1,165 @@
+"""The engine end to end on the bundled model: greedy outputs equal transformers' one-at-a-time greedy outputs.
+
+One continuously batched workload of 100 mixed-resolution prompts (requests keep arriving while others
+decode; some reuse an earlier image with another question, some repeat a prompt exactly), with the encoder
+and prefix caches on, then off; then a KV budget too small for the workload, which forces preemption.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from vlmq.workers.backends.base import GenOutput, GenRequest
+from vlmq.workers.backends.engine import EngineBackend
+from vlmq.workers.engine.engine import Engine, Request, RequestOutput
+from vlmq.workers.models.processor import load_processor, render_prompt
+from vlmq.workers.tiny.shapes import make_split, questions
+
+TARGET = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
+TEST_SEED = 9  # held out from training (see the model's README)
+MAX_NEW = 32
+NUM_FRESH, NUM_SAME_IMAGE, NUM_REPEATS = 80, 14, 6
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    # A private copy: the bundled checkpoint may be rewritten while these tests run.
+    torch.set_num_threads(1)
+    return Path(shutil.copytree(TARGET, tmp_path_factory.mktemp("m") / "tiny-shapes"))
+
+
+@pytest.fixture(scope="module")
+def workload() -> list[tuple[Image.Image, str]]:
+    examples = make_split(TEST_SEED, NUM_FRESH)
+    prompts = [(e.image, e.question) for e in examples]
+    for i, e in enumerate(examples[:NUM_SAME_IMAGE]):  # same image, another question: encoder-cache hits
+        other = [q for q, _ in questions(e.scene) if q != e.question]
+        prompts.append((e.image, other[i % len(other)]))
+    prompts += prompts[20:20 + NUM_REPEATS]  # exact repeats: whole-prompt prefix-cache hits
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, workload) -> dict[tuple[int, str], list[int]]:
+    """transformers' greedy completion (eos stripped) of every distinct prompt, run one at a time."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    processor = load_processor(model_dir)
+    eos = model.generation_config.eos_token_id
+    out: dict[tuple[int, str], list[int]] = {}
+    for image, question in workload:
+        key = (id(image), question)
+        if key not in out:
+            inputs = processor(text=[render_prompt(processor, question)], images=[image], return_tensors="pt")
+            with torch.inference_mode():
+                ids = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+            completion = ids[0, inputs["input_ids"].shape[1]:].tolist()
+            out[key] = completion[:-1] if completion and completion[-1] == eos else completion
+    return out
+
+
+def run_continuous(engine: Engine, requests: list[Request], first: int, per_step: int) -> list[RequestOutput]:
+    """Add `first` requests, then `per_step` more before every step: arrivals join a running batch."""
+    ids = [engine.add_request(r) for r in requests[:first]]
+    pending = list(requests[first:])
+    done: dict[str, RequestOutput] = {}
+    while len(done) < len(requests):
+        ids += [engine.add_request(r) for r in pending[:per_step]]
+        del pending[:per_step]
+        done.update((o.request_id, o) for o in engine.step())
+    return [done[i] for i in ids]
+
+
+def check_outputs(outputs, workload, reference) -> None:
+    assert len(outputs) == len(workload)
+    pairs = zip(workload, outputs, strict=True)
+    mismatches = [(i, q, out.token_ids, reference[(id(img), q)])
+                  for i, ((img, q), out) in enumerate(pairs) if out.token_ids != reference[(id(img), q)]]
+    assert not mismatches, f"{len(mismatches)} of {len(outputs)} differ from transformers, first: {mismatches[0]}"
+    for out in outputs:
+        assert out.error is None and out.finish_reason in ("stop", "length")
+        assert out.finish_reason == "stop" or len(out.token_ids) == MAX_NEW
+
+
+def test_prompt_and_pixels_equal_the_processor(model_dir, workload):
+    engine = Engine.from_model_dir(model_dir, num_blocks=64)
+    processor = load_processor(model_dir)
+    for image, question in workload[:: len(workload) // 6]:
+        prepared = engine.preprocessor("r", Request(image, question))
+        ref = processor(text=[render_prompt(processor, question)], images=[image], return_tensors="pt")
+        assert prepared.seq.token_ids == ref["input_ids"][0].tolist()
+        assert torch.equal(prepared.grid_thw, ref["image_grid_thw"])
+        assert torch.equal(prepared.pixel_values, ref["pixel_values"])
+    engine.close()
+
+
+def test_greedy_equals_transformers_with_caches_on(model_dir, workload, reference):
+    engine = Engine.from_model_dir(model_dir, num_blocks=2048, enable_prefix_caching=True)
+    outputs = run_continuous(engine, [Request(img, q, MAX_NEW) for img, q in workload], first=40, per_step=3)
+    check_outputs(outputs, workload, reference)
+    stats = engine.stats
+    assert stats.num_encoded_images == stats.encoder_cache_misses <= NUM_FRESH  # each distinct image at most once
+    assert stats.encoder_cache_hits > 0 and stats.prefix_cache_hit_tokens > 0
+    assert stats.num_encoder_calls < stats.num_encoded_images  # images of one step share one packed call
+    engine.close()
+
+
+def test_greedy_equals_transformers_with_caches_off(model_dir, workload, reference):
+    engine = Engine.from_model_dir(model_dir, num_blocks=2048, enable_prefix_caching=False,
+                                   share_encoder_outputs=False)
+    outputs = run_continuous(engine, [Request(img, q, MAX_NEW) for img, q in workload], first=60, per_step=5)
+    check_outputs(outputs, workload, reference)
+    assert engine.stats.encoder_cache_hits == 0 and engine.stats.prefix_cache_hit_tokens == 0
+    assert engine.stats.num_encoded_images == len(workload)
+    engine.close()
+
+
+def test_requests_sharing_an_image_reuse_its_kv(model_dir, workload, reference):
+    """Two questions per image, all at once: the second waits for the first's image KV, then reuses it."""
+    pairs = workload[:NUM_SAME_IMAGE] + workload[NUM_FRESH:NUM_FRESH + NUM_SAME_IMAGE]
+    engine = Engine.from_model_dir(model_dir, num_blocks=2048)
+    outputs = engine.generate([Request(img, q, MAX_NEW) for img, q in pairs])
+    check_outputs(outputs, pairs, reference)
+    stats = engine.stats
+    assert stats.num_encoded_images == NUM_SAME_IMAGE
+    assert 0 < stats.num_deferred_admissions <= NUM_SAME_IMAGE  # unless its leader was already past the image
+    image_tokens = sum(out.image_tokens for out in outputs[NUM_SAME_IMAGE:])
+    assert stats.prefix_cache_hit_tokens >= image_tokens - NUM_SAME_IMAGE * 16  # all but a partial block each
+    engine.close()
+
+
+def test_preemption_keeps_outputs_identical(model_dir, workload, reference):
+    small = [(img, q) for img, q in workload if img.width * img.height <= 300 * 300][:24]
+    engine = Engine.from_model_dir(model_dir, num_blocks=24, block_size=16, max_num_batched_tokens=256,
+                                   long_prefill_chunk_size=128)
+    outputs = engine.generate([Request(img, q, MAX_NEW) for img, q in small])
+    assert engine.stats.num_preemptions > 0  # the budget really was too small for the batch
+    check_outputs(outputs, small, reference)
+    engine.close()
+
+
+def test_backend_serves_genrequests(model_dir, workload, reference):
+    backend = EngineBackend(str(model_dir), "cpu", num_blocks=512)
+    (img0, q0), (img1, q1), (img2, q2) = workload[:3]
+    calls = []
+    requests = [
+        GenRequest("a", img0, q0, MAX_NEW),
+        GenRequest("b", img1, q1, 40, ignore_eos=True),
+        GenRequest("c", img2, q2, 200, ignore_eos=True, canceled=lambda: calls.append(1) or len(calls) > 3),
+        GenRequest("d", Image.new("L", (64, 64)), "How many shapes?", 8),  # not canonical RGB: fails alone
+    ]
+    a, b, c, d = backend.generate(requests)
+    assert isinstance(a, GenOutput) and a.token_ids == reference[(id(img0), q0)]
+    assert a.prompt_tokens > a.image_tokens > 0 and a.finish_reason in ("stop", "length")
+    assert isinstance(b, GenOutput) and b.finish_reason == "length" and len(b.token_ids) == 40
+    assert isinstance(c, GenOutput) and c.finish_reason == "canceled" and len(c.token_ids) < 200
+    assert isinstance(d, ValueError) and "RGB" in str(d)
+    assert backend.generate([GenRequest("e", img0, q0, MAX_NEW)])[0].token_ids == a.token_ids  # engine reused
+    backend.close()
