@@ -25,7 +25,7 @@ ENV_VARS: dict[str, str] = {
     "VLMQ_WORKER_BUDGET": "worker: the sum of class cost bounds it may hold at once (default 32768 tokens)",
     "VLMQ_WORKER_BATCH": "worker: most jobs it holds at once (default 16)",
     "VLMQ_WORKER_CLASSES": "worker: cost classes it consumes (default all that fit its budget)",
-    "VLMQ_BACKEND": "worker: hf (plain transformers generate; default)",
+    "VLMQ_BACKEND": "worker: hf (plain transformers generate; default) or engine",
     "VLMQ_DEVICE": "worker: cpu, cuda or cuda:N (default cpu)",
 }
 
