@@ -70,6 +70,12 @@ def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
     return out, lse
 
 
+def _check_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor) -> None:
+    check_paged_cache(q, k_cache, v_cache)
+    check_block_tables(block_tables, context_lens, q.shape[0], q.device)
+    check_lens_fit(context_lens, block_tables, k_cache.shape[1], "context_lens")
+
+
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, *, scale: float | None = None, num_splits: int | None = None,
                            max_context_len: int | None = None, impl: str = "auto") -> tuple[Tensor, Tensor]:
@@ -101,9 +107,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     lse : Tensor
         [num_seqs, num_heads], float32.
     """
-    check_paged_cache(q, k_cache, v_cache)
-    check_block_tables(block_tables, context_lens, q.shape[0], q.device)
-    check_lens_fit(context_lens, block_tables, k_cache.shape[1], "context_lens")
+    _check_paged(q, k_cache, v_cache, block_tables, context_lens)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if not use_triton(impl, q):
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
@@ -173,9 +177,7 @@ def cascade_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
     lse : Tensor
         [num_seqs, num_heads], float32.
     """
-    check_paged_cache(q, k_cache, v_cache)
-    check_block_tables(block_tables, context_lens, q.shape[0], q.device)
-    check_lens_fit(context_lens, block_tables, k_cache.shape[1], "context_lens")
+    _check_paged(q, k_cache, v_cache, block_tables, context_lens)
     check_tensor("group_indptr", group_indptr, 1, INDEX_DTYPES, q.device)
     check_tensor("prefix_lens", prefix_lens, 1, INDEX_DTYPES, q.device)
     check_shape("prefix_lens", prefix_lens, (group_indptr.shape[0] - 1,))

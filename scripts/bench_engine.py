@@ -36,24 +36,6 @@ PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 # ------------------------------------------------------------------------------------------------ models
-def patch_sdpa_4d() -> None:
-    """Stand-in for a one-line fix to layers/attention.py `_sdpa` (not ours to edit): torch's CPU SDPA takes
-    its fast fused kernel only for 4-D inputs; 3-D [H, N, D] inputs fall back to the slow math path (~3x)."""
-    import torch.nn.functional as F
-
-    from vlmq.workers.layers import attention
-
-    def _sdpa(q, k, v, scale, mask):  # q: [Q, H, D]; k, v: [C, Hkv, D] -> [Q, H, D]
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
-        return out[0].transpose(0, 1)
-
-    attention._sdpa = _sdpa
-
-
 def build_random_30m(out_dir: Path) -> Path:
     """A randomly initialised Qwen2-VL of ~30 M parameters with the bundled tokenizer/processor."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -214,10 +196,7 @@ def main() -> None:
     ap.add_argument("--json", default="bench_engine.json")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 by default: on a shared CPU, thread barriers stall small ops (0 = default)")
-    ap.add_argument("--patch-sdpa-4d", action="store_true", help="engine attention with 4-D SDPA (see patch_sdpa_4d)")
     args = ap.parse_args()
-    if args.patch_sdpa_4d:
-        patch_sdpa_4d()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -226,7 +205,7 @@ def main() -> None:
         workloads = {"mixed_captions": mixed_captions(48, 1344, (16, 256)),
                      "shared_images": shared_images(8, 6, (16, 64))}
     workloads = {k: workloads[k] for k in args.workloads.split(",")}
-    report = {"quick": args.quick, "torch_threads": torch.get_num_threads(), "patch_sdpa_4d": args.patch_sdpa_4d,
+    report = {"quick": args.quick, "torch_threads": torch.get_num_threads(),
               "models": {}}
     def save() -> None:  # after every workload, so a partial run still leaves its numbers
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -50,8 +50,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_disable_prefetch": True,
         "worker_hijack_root_logger": False,
-        "worker_soft_shutdown_timeout": float(settings.shutdown_grace),
-        "worker_enable_soft_shutdown_on_idle": True,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "visibility_timeout": visibility_timeout,
     }

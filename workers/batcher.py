@@ -40,11 +40,6 @@ class Batcher:
             self._cond.notify()
         return future
 
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-
     def hand_back_all(self, reason: str) -> int:
         """Stop taking work and fail every waiting or running request with ``HandBack``."""
         with self._cond:
