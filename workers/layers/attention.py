@@ -6,15 +6,16 @@ Two entry points, both on flattened (packed) tokens:
 - `paged_attention`: the LM path. Writes this step's K/V into the paged cache by `slot_mapping`, then each
   sequence's queries attend over its cached context, causally within the step's chunk.
 
-The CPU path is plain torch (per-sequence gather from blocks + SDPA). On CUDA: `vlmq.kernels` stores K/V by
-slot and runs decode-only steps (paged split-KV decode); other steps use flash-attn's paged varlen kernel when
-it is installed and the block size allows, else the same torch path. Shared-prefix (cascade) attention and
+The CPU path is plain torch: the sequences of a step that have the same query length (all decodes, say) gather
+their blocks into one padded batch and run one masked SDPA. On CUDA: `vlmq.kernels` stores K/V by slot and runs
+decode-only steps (paged split-KV decode); other steps use flash-attn's paged varlen kernel when it is installed
+and the block size allows, else the same torch path. Shared-prefix (cascade) attention and
 LSE merging from `vlmq.kernels` plug in here too, without touching the model code.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -119,13 +120,7 @@ def paged_attention(
             q, k_cache, v_cache, meta.cu_query_lens, meta.cu_context_lens, meta.max_query_len,
             meta.max_context_len, softmax_scale=scale, causal=True, block_table=meta.block_tables,
         )  # fmt: skip
-    out = torch.empty_like(q)
-    start = 0
-    for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
-        k_seq, v_seq = _gather_context(k_cache, v_cache, meta.block_tables[i], ctx_len, meta.block_size)
-        out[start : start + q_len] = _causal_tail_attention(q[start : start + q_len], k_seq, v_seq, scale)
-        start += q_len
-    return out
+    return _torch_paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def _use_flash_paged(q: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -138,24 +133,61 @@ def _use_flash_paged(q: torch.Tensor, meta: AttentionMetadata) -> bool:
     )
 
 
-def _gather_context(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx_len: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # -> k, v: [ctx_len, Hkv, D], the sequence's cached context in order
-    blocks = table[: math.ceil(ctx_len / block_size)].long()
-    k = k_cache[blocks].flatten(0, 1)[:ctx_len]
-    v = v_cache[blocks].flatten(0, 1)[:ctx_len]
-    return k, v
+def _torch_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    # Sequences with the same query length run as one batched call: all decodes (length 1) together, and
+    # prefill chunks of equal length together. Grouping by length pads only the keys, never the queries,
+    # so a 512-token chunk next to 31 decodes does not turn them into 32 x 512 query rows.
+    groups: dict[int, list[int]] = {}
+    for i, q_len in enumerate(meta.query_lens):
+        groups.setdefault(q_len, []).append(i)
+    if len(groups) == 1:  # every sequence has the same query length: the flattened batch is [S * Q] in order
+        (q_len,) = groups
+        ctx = torch.tensor(meta.context_lens, device=q.device)
+        out = _batched_attention(q.view(-1, q_len, *q.shape[1:]), k_cache, v_cache, meta.block_tables, ctx, scale)
+        return out.reshape(q.shape)
+    out = torch.empty_like(q)
+    starts = [0, *itertools.accumulate(meta.query_lens)]
+    for q_len, seqs in groups.items():
+        idx = torch.tensor(seqs, device=q.device)
+        rows = (torch.tensor([starts[i] for i in seqs], device=q.device)[:, None]
+                + torch.arange(q_len, device=q.device)).view(-1)  # [B * Q] rows of these sequences' queries
+        ctx = torch.tensor([meta.context_lens[i] for i in seqs], device=q.device)
+        res = _batched_attention(q[rows].view(len(seqs), q_len, *q.shape[1:]), k_cache, v_cache,
+                                 meta.block_tables[idx], ctx, scale)
+        out.index_copy_(0, rows, res.flatten(0, 1))
+    return out
 
 
-def _causal_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    # q: [Q, H, D] are the last Q positions of the C keys in k, v: [C, Hkv, D]; query i sees keys j <= C - Q + i
-    q_len, ctx_len = q.shape[0], k.shape[0]
-    mask = None
-    if q_len > 1:
-        pos_q = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= pos_q[:, None]  # [Q, C]
-    return _sdpa(q, k, v, scale, mask)
+def _batched_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """B sequences with Q new tokens each, over their paged contexts (padded to the longest, masked).
+
+    q: [B, Q, H, D], the last Q positions of each context; block_tables: [B, W] int32; context_lens: [B] int64
+    (each >= Q). Query r of sequence b sees keys j <= context_lens[b] - Q + r. Returns [B, Q, H, D].
+    """
+    batch, q_len, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = -(-int(context_lens.max()) // block_size)
+    ids = block_tables[:, :num_blocks].long().reshape(-1)  # [B * nb]; padded entries point at block 0, masked
+    # index_select copies whole blocks (contiguous rows); much faster on CPU than advanced indexing
+    k = k_cache.index_select(0, ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache.index_select(0, ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    keys = torch.arange(k.shape[2], device=q.device)
+    last = (context_lens - q_len)[:, None] + torch.arange(q_len, device=q.device)  # [B, Q] last visible key
+    mask = keys[None, None, :] <= last[:, :, None]  # [B, Q, L]
+    # enable_gqa: query head h reads KV head h // (H / Hkv) without repeating K/V (about as fast as folding
+    # the G query heads of a KV head into its query rows, and simpler)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)  # [B, H, Q, D]
+    return out.transpose(1, 2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
