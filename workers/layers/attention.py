@@ -32,6 +32,10 @@ except ImportError:  # pragma: no cover - depends on the install
     _kernels = None
 
 
+# The CPU path copies each batch's K/V blocks into one padded tensor; bigger batches are split to stay under this.
+_MAX_GATHER_BYTES = 256 * 2**20
+
+
 def _use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and _kernels is not None
 
@@ -142,22 +146,34 @@ def _torch_paged_attention(
     groups: dict[int, list[int]] = {}
     for i, q_len in enumerate(meta.query_lens):
         groups.setdefault(q_len, []).append(i)
-    if len(groups) == 1:  # every sequence has the same query length: the flattened batch is [S * Q] in order
-        (q_len,) = groups
-        ctx = torch.tensor(meta.context_lens, device=q.device)
-        out = _batched_attention(q.view(-1, q_len, *q.shape[1:]), k_cache, v_cache, meta.block_tables, ctx, scale)
-        return out.reshape(q.shape)
     out = torch.empty_like(q)
     starts = [0, *itertools.accumulate(meta.query_lens)]
+    token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # K and V of one cached token
     for q_len, seqs in groups.items():
-        idx = torch.tensor(seqs, device=q.device)
-        rows = (torch.tensor([starts[i] for i in seqs], device=q.device)[:, None]
-                + torch.arange(q_len, device=q.device)).view(-1)  # [B * Q] rows of these sequences' queries
-        ctx = torch.tensor([meta.context_lens[i] for i in seqs], device=q.device)
-        res = _batched_attention(q[rows].view(len(seqs), q_len, *q.shape[1:]), k_cache, v_cache,
-                                 meta.block_tables[idx], ctx, scale)
-        out.index_copy_(0, rows, res.flatten(0, 1))
+        for part in _split_by_gather_size(seqs, meta.context_lens, token_bytes):
+            rows = (torch.tensor([starts[i] for i in part], device=q.device)[:, None]
+                    + torch.arange(q_len, device=q.device)).view(-1)  # [B * Q] rows of these sequences' queries
+            ctx = torch.tensor([meta.context_lens[i] for i in part], device=q.device)
+            tables = meta.block_tables[torch.tensor(part, device=q.device)]
+            res = _batched_attention(q[rows].view(len(part), q_len, *q.shape[1:]), k_cache, v_cache, tables, ctx,
+                                     scale)
+            out.index_copy_(0, rows, res.flatten(0, 1))
     return out
+
+
+def _split_by_gather_size(seqs: list[int], context_lens: list[int], token_bytes: int) -> list[list[int]]:
+    # Consecutive runs of sequences whose padded K/V copy (run length x its longest context) stays under the cap;
+    # a sequence longer than the cap runs alone.
+    parts: list[list[int]] = []
+    longest = 0
+    for i in seqs:
+        longest = max(longest, context_lens[i])
+        if parts and (len(parts[-1]) + 1) * longest * token_bytes <= _MAX_GATHER_BYTES:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+            longest = context_lens[i]
+    return parts
 
 
 def _batched_attention(
