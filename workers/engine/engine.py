@@ -4,66 +4,36 @@
     outputs = engine.generate([Request(image, "Describe the image.", max_new_tokens=64)])   # batch
     rid = engine.add_request(Request(...)); while engine.has_unfinished: done = engine.step()  # streaming
 
-Preprocessing (chat template, tokenizer, fast image preprocessing, pixel hash) runs on a thread pool; prepared
-requests join the scheduler at the start of a step, so the model waits for it only when it has nothing to run.
+Preprocessing (chat template, tokenizer, fast image preprocessing, pixel hash; intake.py) runs on a thread pool;
+prepared requests join the scheduler at the start of a step, so the model waits for it only when it has nothing
+to run.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import queue
-import threading
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
-from vlmq.images import pixel_hash
 from vlmq.workers.models.loader import load_model
-from vlmq.workers.models.processor import load_processor, render_prompt
+from vlmq.workers.models.processor import load_processor
 
 from .config import EngineConfig
-from .encoder_cache import make_key
+from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .model_runner import ModelRunner
 from .preprocess import ImagePreprocessor
 from .scheduler import Scheduler
-from .sequence import ImagePlaceholder, SamplingParams, Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus
 
-
-@dataclass(slots=True)
-class Request:
-    image: Any  # PIL.Image.Image in mode RGB
-    question: str
-    max_new_tokens: int = 64
-    ignore_eos: bool = False  # generate exactly max_new_tokens
-    priority: int = 0  # 0 runs first
-    temperature: float = 0.0  # 0 = greedy
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]  # completion; without the eos token when finish_reason == "stop"
-    text: str
-    finish_reason: str  # "stop", "length", "canceled" or "error"
-    prompt_tokens: int = 0
-    image_tokens: int = 0
-    error: Exception | None = None
-    arrival_time: float = 0.0  # time.perf_counter() at add_request
-    first_token_time: float | None = None
-    finish_time: float = 0.0
-
-
-@dataclass(slots=True)
-class _Prepared:
-    seq: Sequence
-    pixel_values: torch.Tensor  # [P, C*Tp*p*p]
-    grid_thw: torch.Tensor  # [N, 3]
+__all__ = ["Engine", "EngineStats", "Request", "RequestOutput", "default_model_id"]
 
 
 @dataclass(slots=True)
@@ -82,48 +52,6 @@ class EngineStats:
         ("wait_preprocess", "schedule", "execute", "update"), 0.0))
 
 
-class Preprocessor:
-    """Request -> Sequence + pixels, on the preprocessing threads. Raises on a bad request (it fails alone)."""
-
-    def __init__(self, processor, image_preprocessor: ImagePreprocessor, model_id: str, image_token_id: int,
-                 eos_token_ids: tuple[int, ...], share_encoder_outputs: bool = True) -> None:
-        self.processor, self.image_preprocessor = processor, image_preprocessor
-        self.image_token_id, self.eos_token_ids = image_token_id, eos_token_ids
-        self.model_id, self.share = model_id, share_encoder_outputs
-        self.settings = {"policy": asdict(image_preprocessor.policy), "image_mean": image_preprocessor.image_mean,
-                         "image_std": image_preprocessor.image_std, "rescale": image_preprocessor.rescale_factor}
-        self._prompt_ids: dict[str, list[int]] = {}  # question -> ids with ONE image pad
-        self._lock = threading.Lock()
-
-    def prompt_ids(self, question: str) -> list[int]:
-        ids = self._prompt_ids.get(question)
-        if ids is None:
-            text = render_prompt(self.processor, question)
-            with self._lock:  # a fast tokenizer must not be entered from two threads at once
-                ids = list(self.processor.tokenizer(text)["input_ids"])
-                if len(self._prompt_ids) >= 4096:  # bounded: prompts are free-form text
-                    self._prompt_ids.clear()
-                self._prompt_ids[question] = ids
-        return ids
-
-    def __call__(self, request_id: str, req: Request) -> _Prepared:
-        if req.image is None:
-            raise ValueError("a request needs an image (PIL RGB); text-only prompts are not supported")
-        sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature)
-        ids = self.prompt_ids(req.question)
-        pixel_values, grid_thw = self.image_preprocessor([req.image])  # [P, D], [1, 3]
-        num_patches = int(grid_thw.prod())
-        num_tokens = num_patches // self.image_preprocessor.policy.merge_size ** 2
-        at = ids.index(self.image_token_id)
-        ids = ids[:at] + [self.image_token_id] * num_tokens + ids[at + 1:]
-        # Without sharing, every request gets its own key: no encoder-cache or image-prefix reuse across requests.
-        settings = self.settings if self.share else {**self.settings, "request": request_id}
-        key = make_key(pixel_hash(req.image), self.model_id, settings)
-        image = ImagePlaceholder(key, at, num_tokens, num_patches)
-        return _Prepared(Sequence(request_id, ids, images=(image,), sampling=sampling, priority=req.priority),
-                         pixel_values, grid_thw)
-
-
 class Engine:
     def __init__(self, model, processor, config: EngineConfig, *, device: str | torch.device = "cpu",
                  model_id: str = "model", eos_token_ids: tuple[int, ...] = (), share_encoder_outputs: bool = True,
@@ -140,7 +68,7 @@ class Engine:
         self._pool = ThreadPoolExecutor(num_preprocess_threads, thread_name_prefix="vlmq-preprocess")
         self._ready: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()
         self._preparing: set[str] = set()
-        self._held: list[_Prepared] = []  # prepared, waiting for a leader to compute their shared image
+        self._held: list[Prepared] = []  # prepared, waiting for a leader to compute their shared image
         self._leaders: dict[str, Sequence] = {}  # image key -> the request that computes its KV first
         self._meta: dict[str, RequestOutput] = {}  # request_id -> output being filled
         self._done: list[RequestOutput] = []  # finished since the last step() returned
@@ -236,7 +164,7 @@ class Engine:
             except Exception as e:  # bad image, ...: this request fails alone
                 self._finish(request_id, "error", error=e)
 
-    def _add(self, prepared: _Prepared, retry: bool = False) -> None:
+    def _add(self, prepared: Prepared, retry: bool = False) -> None:
         seq = prepared.seq
         if self._follows(seq):
             self._held.append(prepared)
@@ -304,3 +232,4 @@ def default_model_id(model_dir: Path) -> str:
         st = f.stat()
         h.update(json.dumps([f.name, st.st_size, st.st_mtime_ns]).encode())
     return f"{model_dir.resolve().name}@{h.hexdigest()[:16]}"
+
