@@ -1,6 +1,7 @@
 """The engine: preprocessing threads feeding a scheduler, and the step loop that drives the model runner.
 
     engine = Engine.from_model_dir("workers/assets/tiny-shapes", device="cpu", num_blocks=2048)
+    engine = Engine.from_model_dir(model_dir, device="cuda", kv_cache_memory_fraction=0.8)  # KV sized from memory
     outputs = engine.generate([Request(image, "Describe the image.", max_new_tokens=64)])   # batch
     rid = engine.add_request(Request(...)); while engine.has_unfinished: done = engine.step()  # streaming
 
@@ -16,7 +17,7 @@ import queue
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from vlmq.workers.models.processor import load_processor
 
 from .config import EngineConfig
 from .intake import Prepared, Preprocessor, Request, RequestOutput
+from .kv_budget import kv_cache_num_blocks
 from .model_runner import ModelRunner
 from .preprocess import ImagePreprocessor
 from .scheduler import Scheduler
@@ -77,15 +79,30 @@ class Engine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", *,
                        dtype: torch.dtype | None = None, model_id: str | None = None,
-                       share_encoder_outputs: bool = True, num_preprocess_threads: int = 1, **config: Any) -> Engine:
-        """Load model, processor and generation config; `config` holds EngineConfig fields."""
+                       share_encoder_outputs: bool = True, num_preprocess_threads: int = 1,
+                       kv_cache_bytes: int | None = None, kv_cache_memory_fraction: float | None = None,
+                       max_model_len: int | None = None, **config: Any) -> Engine:
+        """Load model, processor and generation config; `config` holds EngineConfig fields.
+
+        The KV cache has `num_blocks` blocks, or as many as fit in `kv_cache_bytes`, or (CUDA only) in
+        `kv_cache_memory_fraction` of the device memory free once the weights are loaded; a budget must hold
+        at least one `max_model_len`-token sequence (default: the model's max_position_embeddings).
+        """
+        sized = kv_cache_bytes is not None or kv_cache_memory_fraction is not None
+        if sized and "num_blocks" in config:
+            raise ValueError("give num_blocks or a KV cache budget (kv_cache_bytes or kv_cache_memory_fraction)")
         model_dir, device = Path(model_dir), torch.device(device)
         dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
         model = load_model(model_dir, device, dtype)
         hidden = model.config.text_config.hidden_size
         config.setdefault("encoder_bytes_per_token", hidden * torch.finfo(dtype).bits // 8)
+        engine_config = EngineConfig(**config)
+        if sized:
+            num_blocks = kv_cache_num_blocks(model, device, engine_config.block_size, kv_cache_bytes,
+                                             kv_cache_memory_fraction, max_model_len)
+            engine_config = replace(engine_config, num_blocks=num_blocks)
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        return cls(model, load_processor(model_dir), EngineConfig(**config), device=device,
+        return cls(model, load_processor(model_dir), engine_config, device=device,
                    model_id=model_id or default_model_id(model_dir),
                    eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                    share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads)
