@@ -25,10 +25,11 @@ ENV_VARS: dict[str, str] = {
     "VLMQ_WORKER_BUDGET": "worker: the sum of class cost bounds it may hold at once (default 32768 tokens)",
     "VLMQ_WORKER_BATCH": "worker: most jobs it holds at once (default 16)",
     "VLMQ_WORKER_CLASSES": "worker: cost classes it consumes (default all that fit its budget)",
-    "VLMQ_BACKEND": "worker: hf (plain transformers generate; default) or engine",
+    "VLMQ_BACKEND": "worker: engine (the vlmq engine; default) or hf (plain transformers generate)",
     "VLMQ_DEVICE": "worker: cpu, cuda or cuda:N (default cpu)",
 }
 
+BACKENDS = ("engine", "hf")  # worker backends; the first is the default
 DEFAULT_COST_CLASSES = "xs=256,s=1024,m=4096,l=16384,xl"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORAGE_URL = "file:///tmp/vlmq"
@@ -81,7 +82,7 @@ class Settings:
     worker_budget: int = 32768
     worker_batch: int = 16
     worker_classes: str = ""
-    backend: str = "hf"
+    backend: str = BACKENDS[0]
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -94,6 +95,8 @@ class Settings:
             raise ValueError(f"broker_url must be a redis:// URL, got {self.broker_url!r}")
         if not self.storage_url.startswith(("s3://", "file://")):
             raise ValueError(f"storage_url must be s3://bucket/prefix or file:///dir, got {self.storage_url!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.shutdown_grace < 0 or self.storage_retry < 0:
             raise ValueError("shutdown_grace and storage_retry must not be negative")
         self.queue_depth_limit("xs")  # validates the format
@@ -133,7 +136,7 @@ class Settings:
             "worker_budget": _int(env, "VLMQ_WORKER_BUDGET", 32768),
             "worker_batch": _int(env, "VLMQ_WORKER_BATCH", 16),
             "worker_classes": env.get("VLMQ_WORKER_CLASSES", ""),
-            "backend": env.get("VLMQ_BACKEND", "hf"),
+            "backend": env.get("VLMQ_BACKEND") or BACKENDS[0],
             "device": env.get("VLMQ_DEVICE", "cpu"),
         }
         values.update(overrides)

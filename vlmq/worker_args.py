@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from vlmq.settings import BACKENDS
+
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-shapes", help="model name (default tiny-shapes)")
@@ -11,5 +13,6 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--classes", help="cost classes to consume, e.g. xs,s (VLMQ_WORKER_CLASSES)")
     parser.add_argument("--budget", type=int, help="sum of class costs held at once (VLMQ_WORKER_BUDGET)")
     parser.add_argument("--batch", type=int, help="most jobs held at once (VLMQ_WORKER_BATCH)")
-    parser.add_argument("--backend", help="hf or engine (VLMQ_BACKEND)")
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help="engine (the vlmq engine; default) or hf (plain transformers generate) (VLMQ_BACKEND)")
     parser.add_argument("--name", help="worker name shown in results")

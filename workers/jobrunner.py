@@ -99,6 +99,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
         output = ctx.batcher.submit(request).result()
     except HandBack:
         raise
+    except InvalidRequest as e:  # the backend cannot ever serve this job (too long for its KV, ...)
+        raise JobError(e.code, str(e)) from e
     except Exception as e:
         raise JobError("model_error", f"{type(e).__name__}: {e}", retryable=True) from e
     t3 = time.monotonic()
@@ -110,7 +112,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
 def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOutput,
             timings: dict[str, float]) -> str:
     if ctx.redis.exists(keys.canceled(job_id)):
-        log.info("job %s canceled while running; result dropped", job_id)
+        log.info("job %s canceled while running (%s after %d tokens); result dropped", job_id, out.finish_reason,
+                 len(out.token_ids))
         return JobStatus.CANCELED.value
     status = JobStatus(records.read(ctx.redis, job_id).get("status", JobStatus.FAILED.value))
     if status.is_final:  # another delivery already ended it (finished, or failed as poison)

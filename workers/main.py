@@ -60,13 +60,14 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
                         settings.worker_batch)
     name = name or f"{socket.gethostname()}:{os.getpid()}"
-    backend = load_backend(settings.backend, model_dir(spec), settings.device)
+    backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget)
     ctx = WorkerContext(settings, redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3),
                         open_storage(settings.storage_url, settings.s3_endpoint_url),
                         Batcher(backend, settings.worker_batch), spec.name, name)
     app = make_worker_app(settings, ctx, budget)
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
-    log.info("worker %s serving %s on %s, queues %s", name, spec.name, settings.device, list(budget.queue_costs))
+    log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
+             settings.backend, list(budget.queue_costs))
     app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
                      "--without-mingle", "--without-heartbeat", "--pool", "threads",
                      "--concurrency", str(settings.worker_batch)])

@@ -1,4 +1,4 @@
-"""Model backends a worker can run: ``hf`` (plain transformers generate, the reference) and ``engine``."""
+"""Model backends a worker can run: ``engine`` (the default) and ``hf`` (plain transformers generate, the reference)."""
 from __future__ import annotations
 
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
@@ -6,14 +6,14 @@ from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
 __all__ = ["Backend", "GenOutput", "GenRequest", "load_backend"]
 
 
-def load_backend(name: str, model_dir: str, device: str) -> Backend:
-    """Load a backend by name."""
+def load_backend(name: str, model_dir: str, device: str, *, kv_tokens: int | None = None) -> Backend:
+    """Load a backend by name; ``kv_tokens``: tokens held at once (the worker's budget), for the engine's KV cache."""
+    if name == "engine":
+        from vlmq.workers.backends.engine import EngineBackend
+
+        return EngineBackend(model_dir, device, kv_tokens=kv_tokens)
     if name == "hf":
         from vlmq.workers.backends.hf import HFBackend
 
         return HFBackend(model_dir, device)
-    if name == "engine":
-        from vlmq.workers.backends.engine import EngineBackend
-
-        return EngineBackend(model_dir, device)
-    raise ValueError(f"unknown backend {name!r}; available: hf, engine")
+    raise ValueError(f"unknown backend {name!r}; available: engine, hf")

@@ -1,10 +1,13 @@
 """What every backend takes and returns."""
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -32,3 +35,14 @@ class Backend(ABC):
     @abstractmethod
     def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
         """Serve a batch; a failure of one request is returned in its slot, not raised."""
+
+
+def is_canceled(request: GenRequest) -> bool:
+    """Poll a request's cancel flag; a failing check (Redis restarting) counts as not canceled, for now."""
+    if request.canceled is None:
+        return False
+    try:
+        return bool(request.canceled())
+    except Exception as e:  # the next poll asks again; the job's own Redis calls decide its fate
+        log.warning("job %s: cancel check failed (%s); generation goes on", request.job_id, e)
+        return False

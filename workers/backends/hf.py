@@ -6,7 +6,7 @@ import logging
 import torch
 from transformers import AutoModelForImageTextToText, StoppingCriteria, StoppingCriteriaList
 
-from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
+from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, is_canceled
 from vlmq.workers.models.processor import load_processor, render_prompt
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ class CancelCriteria(StoppingCriteria):
         self.steps += 1
         if self.steps % self.every == 0:
             pairs = zip(self.stopped, self.batch, strict=True)
-            self.stopped = [s or bool(r.canceled and r.canceled()) for s, r in pairs]
+            self.stopped = [s or is_canceled(r) for s, r in pairs]
         return torch.tensor(self.stopped, dtype=torch.bool, device=input_ids.device)
 
 
@@ -70,9 +70,10 @@ class HFBackend(Backend):
         inputs = self.processor(text=texts, images=[r.image for r in batch], return_tensors="pt", padding=True)
         inputs = inputs.to(self.device)
         cancel = CancelCriteria(batch)
+        # ignore_eos as in the engine (and vLLM): an eos token is generated like any other and does not stop
+        no_eos = {"eos_token_id": []} if batch[0].ignore_eos else {}
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id,
-                                  min_new_tokens=max_new_tokens if batch[0].ignore_eos else None,
-                                  stopping_criteria=StoppingCriteriaList([cancel]))
+                                  stopping_criteria=StoppingCriteriaList([cancel]), **no_eos)
         prompt_len = inputs["input_ids"].shape[1]
         outputs = [self._output(inputs, out, row, prompt_len, batch[row].ignore_eos) for row in range(len(batch))]
         for output, stopped in zip(outputs, cancel.stopped, strict=True):
