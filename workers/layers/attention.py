@@ -144,9 +144,10 @@ def _use_flash_paged(q: torch.Tensor, meta: AttentionMetadata) -> bool:
 def _torch_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    # Sequences with the same query length run as one batched call: all decodes (length 1) together, and
-    # prefill chunks of equal length together. Grouping by length pads only the keys, never the queries,
-    # so a 512-token chunk next to 31 decodes does not turn them into 32 x 512 query rows.
+    # Sequences with the same query length run batched: all decodes (length 1) together, and prefill chunks of
+    # equal length together. Grouping by length pads only the keys, never the queries, so a 512-token chunk
+    # next to 31 decodes does not turn them into 32 x 512 query rows. Within a group, sequences sorted by
+    # context length are cut into tiles of similar lengths (little key padding) under _MAX_GATHER_BYTES.
     groups: dict[int, list[int]] = {}
     for i, q_len in enumerate(meta.query_lens):
         groups.setdefault(q_len, []).append(i)
@@ -154,7 +155,8 @@ def _torch_paged_attention(
     starts = [0, *itertools.accumulate(meta.query_lens)]
     token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # K and V of one cached token
     for q_len, seqs in groups.items():
-        for part in _split_by_gather_size(seqs, meta.context_lens, token_bytes, _gather_cap(q)):
+        by_length = sorted(seqs, key=meta.context_lens.__getitem__)
+        for part in _split_by_gather_size(by_length, meta.context_lens, token_bytes, _gather_cap(q)):
             rows = (torch.tensor([starts[i] for i in part], device=q.device)[:, None]
                     + torch.arange(q_len, device=q.device)).view(-1)  # [B * Q] rows of these sequences' queries
             ctx = torch.tensor([meta.context_lens[i] for i in part], device=q.device)
