@@ -1,6 +1,7 @@
 """Nothing lost, nothing done twice: leases, redelivery, poison jobs, cancellation, outages, shutdown."""
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from vlmq.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 PROMPT = "Describe the image."
+SLOW_WORKER = str(Path(__file__).with_name("slowworker.py"))
 
 
 @pytest.fixture
@@ -39,8 +41,11 @@ def workers(tmp_path: Path) -> Iterator[list[WorkerProcess]]:
         w.stop()
 
 
-def start(workers: list[WorkerProcess], settings: Settings, tmp_path: Path, name: str) -> WorkerProcess:
-    w = WorkerProcess(settings, tmp_path / f"{name}-{len(workers)}.log", "--name", name)
+def start(workers: list[WorkerProcess], settings: Settings, tmp_path: Path, name: str,
+          min_batch_s: float = 0) -> WorkerProcess:
+    """A worker; with ``min_batch_s`` each of its batches lasts at least that long, however fast the backend."""
+    entry = (SLOW_WORKER, str(min_batch_s)) if min_batch_s else ("-m", "vlmq.workers.main")
+    w = WorkerProcess(settings, tmp_path / f"{name}-{len(workers)}.log", "--name", name, entry=entry)
     workers.append(w)
     return w
 
@@ -57,7 +62,9 @@ def wait_status(job, status: JobStatus, timeout: float = 120) -> None:
 
 
 def test_a_batch_longer_than_the_visibility_timeout_runs_once(settings: Settings, workers, tmp_path: Path) -> None:
-    a, b = start(workers, settings, tmp_path, "a"), start(workers, settings, tmp_path, "b")
+    # Batches last 3 visibility timeouts even on a fast backend: only lease renewal keeps their messages hidden.
+    slow = 3 * settings.visibility_timeout
+    a, b = start(workers, settings, tmp_path, "a", slow), start(workers, settings, tmp_path, "b", slow)
     a.wait_ready(), b.wait_ready()
     with Client(settings=settings) as client:
         jobs = [long_job(client, i) for i in range(2)]
@@ -73,7 +80,7 @@ def test_killed_worker_jobs_come_back_and_poison_jobs_stop(settings: Settings, w
     with Client(settings=settings) as client:
         job = long_job(client)
         for attempt in (1, 2):
-            w = start(workers, settings, tmp_path, f"crash{attempt}")
+            w = start(workers, settings, tmp_path, f"crash{attempt}", min_batch_s=600)  # still mid-batch when killed
             wait_status(job, JobStatus.STARTED, timeout=180)
             assert job.info()["attempts"] == str(attempt)
             w.proc.send_signal(signal.SIGKILL)  # mid-batch, as an OOM kill would
@@ -92,7 +99,7 @@ def test_killed_worker_jobs_come_back_and_poison_jobs_stop(settings: Settings, w
 
 def test_sigkilled_worker_job_is_finished_by_another_worker(settings: Settings, workers, tmp_path: Path) -> None:
     with Client(settings=settings) as client:
-        victim = start(workers, settings, tmp_path, "victim")
+        victim = start(workers, settings, tmp_path, "victim", min_batch_s=600)  # still mid-batch when killed
         job = long_job(client, tokens=512)
         wait_status(job, JobStatus.STARTED, timeout=180)
         victim.proc.send_signal(signal.SIGKILL)
@@ -117,7 +124,9 @@ def test_cancellation_is_durable_and_stops_running_jobs(settings: Settings, work
             assert job.status() is JobStatus.CANCELED
             assert not client.storage.exists(keys.result_object(job.id))
         assert "started_at" not in queued.info()
-        assert f"job {running.id} canceled while running" in w.log()
+        stopped = re.search(rf"job {running.id} canceled while running \((\w+) after (\d+) tokens\)", w.log())
+        assert stopped, "the running job was not dropped as canceled"
+        assert stopped[1] == "canceled" and int(stopped[2]) < 1024, "generation went on after the cancel"
         assert w.alive()
 
 
@@ -162,7 +171,7 @@ def test_sigterm_hands_unfinished_jobs_to_other_workers_at_once(settings: Settin
     settings.visibility_timeout = 600  # the rescue below must not come from the timeout sweep
     settings.shutdown_grace = 2
     with Client(settings=settings) as client:
-        leaving = start(workers, settings, tmp_path, "leaving")
+        leaving = start(workers, settings, tmp_path, "leaving", min_batch_s=600)  # mid-batch at the SIGTERM
         jobs = [long_job(client, i, tokens=1024) for i in range(2)]
         for job in jobs:
             wait_status(job, JobStatus.STARTED, timeout=180)

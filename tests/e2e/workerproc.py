@@ -11,13 +11,14 @@ from vlmq.settings import Settings
 
 
 class WorkerProcess:
-    """``python -m vlmq.workers.main`` as a child process, logging to a file."""
+    """``python -m vlmq.workers.main`` (or another ``entry``: a script) as a child process, logging to a file."""
 
-    def __init__(self, settings: Settings, log_path: Path, *extra: str) -> None:
+    def __init__(self, settings: Settings, log_path: Path, *extra: str,
+                 entry: tuple[str, ...] = ("-m", "vlmq.workers.main")) -> None:
         self.log_path = log_path
         env = {**os.environ, **settings.to_env()}
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vlmq.workers.main", *extra], env=env,
+            self.proc = subprocess.Popen([sys.executable, *entry, *extra], env=env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self) -> str:

@@ -1,0 +1,73 @@
+"""Both worker backends keep one contract: ``engine`` (the default) and ``hf`` (plain transformers generate).
+
+In process, without the queue: the same batch gives the same greedy tokens, usage and finish reasons
+on both; max_new_tokens and ignore_eos hold per request; a canceled request stops early while the
+rest of its batch finishes; a request the engine cannot hold fails in its own slot.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vlmq.demo import load_samples
+from vlmq.errors import InvalidRequest
+from vlmq.images import decode
+from vlmq.settings import BACKENDS
+from vlmq.workers.backends import Backend, GenOutput, GenRequest, load_backend
+from vlmq.workers.main import ASSETS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+MODEL_DIR = str(Path(ASSETS) / "tiny-shapes")
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, Backend]:
+    return {name: load_backend(name, MODEL_DIR, "cpu") for name in BACKENDS}
+
+
+def requests() -> list[GenRequest]:
+    """The shipped samples with different max_new_tokens, and one that must run to its limit."""
+    samples = [(decode(data), prompt) for data, _, prompt, _ in load_samples()]
+    batch = [GenRequest(f"job-{i}", image, prompt, max_new_tokens=(6, 12, 40)[i % 3])
+             for i, (image, prompt) in enumerate(samples)]
+    batch.append(GenRequest("no-eos", samples[0][0], samples[0][1], max_new_tokens=50, ignore_eos=True))
+    return batch
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_canceled_request_stops_early_and_its_batch_finishes(loaded: dict[str, Backend], name: str) -> None:
+    image, prompt = decode(load_samples()[1][0]), load_samples()[1][2]
+    batch = [GenRequest("canceled", image, prompt, max_new_tokens=400, ignore_eos=True, canceled=lambda: True),
+             GenRequest("kept", image, prompt, max_new_tokens=30, ignore_eos=True, canceled=lambda: False)]
+    canceled, kept = loaded[name].generate(batch)
+    assert isinstance(canceled, GenOutput) and isinstance(kept, GenOutput)
+    assert canceled.finish_reason == "canceled" and len(canceled.token_ids) < 400
+    assert kept.finish_reason == "length" and len(kept.token_ids) == 30
+
+
+def test_both_backends_answer_a_mixed_batch_alike(loaded: dict[str, Backend]) -> None:
+    batch = requests()
+    outputs = {name: backend.generate(batch) for name, backend in loaded.items()}
+    for request, *outs in zip(batch, *outputs.values(), strict=True):
+        first = outs[0]
+        for out in outs:
+            assert isinstance(out, GenOutput), (request.job_id, out)
+            assert len(out.token_ids) <= request.max_new_tokens
+            assert out.finish_reason == ("length" if len(out.token_ids) == request.max_new_tokens else "stop")
+            fields = (out.token_ids, out.text, out.finish_reason, out.prompt_tokens, out.image_tokens)
+            assert fields == (first.token_ids, first.text, first.finish_reason, first.prompt_tokens,
+                              first.image_tokens), request.job_id
+        assert first.prompt_tokens > first.image_tokens > 0
+    assert {len(outs[-1].token_ids) for outs in outputs.values()} == {50}
+
+
+def test_a_request_over_the_engines_kv_capacity_fails_alone(loaded: dict[str, Backend]) -> None:
+    engine = loaded["engine"]
+    image, prompt = decode(load_samples()[0][0]), load_samples()[0][2]
+    capacity = engine.engine.config.max_num_kv_tokens  # type: ignore[attr-defined]
+    batch = [GenRequest("too-long", image, prompt, max_new_tokens=capacity + 1),
+             GenRequest("fine", image, prompt, max_new_tokens=8, ignore_eos=True)]
+    too_long, fine = engine.generate(batch)
+    assert isinstance(too_long, InvalidRequest) and too_long.code == "exceeds_kv_capacity"
+    assert isinstance(fine, GenOutput) and len(fine.token_ids) == 8
