@@ -106,9 +106,12 @@ def test_pool_answers_equal_the_models_own_greedy_answers(pool: tuple[Settings, 
     """Batching across jobs of different sizes must not change any answer (padding, positions, images)."""
     from vlmq.demo import load_samples
 
-    settings, _ = pool
+    settings, worker = pool
+    assert "with the engine backend" in worker.log(), "the engine is the default backend"
     samples = load_samples()
     with Client(settings=settings) as client:
         jobs = [client.submit(data, prompt, max_new_tokens=40) for data, _, prompt, _ in samples]
+        long = client.submit(samples[0][0], samples[0][2], max_new_tokens=50, ignore_eos=True)
         answers = [job.result(timeout=300).text for job in jobs]
+        assert len(long.result(timeout=300).token_ids) == 50
     assert answers == reference_answers(samples, 40)
