@@ -1,27 +1,43 @@
 """Benchmark: our Qwen2-VL image preprocessing vs transformers' image processor, same images, same process.
 
-Prints a table (best-of-N milliseconds per image for each, and the ratio) and writes JSON. Both produce the
-same pixel_values bit for bit; the script checks that first.
+What is measured: decoded RGB PIL images in, (pixel_values, image_grid_thw) out. Decoding is NOT in the
+headline (both sides get the same decoded image); a separate line adds a JPEG decode to both sides. Both paths
+run on one core (torch intra-op threads = 1 unless --torch-threads says otherwise), one right after the other
+for every image and round, alternating which goes first; each figure is the median over --rounds, of wall time
+and of process CPU time (on a machine shared with other jobs the CPU-time ratio is the steadier one). Before
+timing, the script checks that both give the same pixel_values bit for bit.
 
-    python scripts/bench_preprocess.py [--rounds 5] [--threads 0] [--json bench_preprocess.json]
+Prints per-image and whole-set times and ratios, the time per stage of each path, the ceiling that PIL's
+resize puts on the ratio, and (with --threads) batch throughput with a thread pool; writes JSON to --out.
+
+    python scripts/bench_preprocess.py [--rounds 15] [--threads 2] [--out bench-results/preprocess.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
+import statistics
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from vlmq.cost import smart_resize
 from vlmq.workers.engine.preprocess import ImagePreprocessor
 
 # a fixed set of common photo/screenshot sizes, (width, height)
 IMAGE_SIZES = [(256, 256), (448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720), (1344, 1008), (1920, 1080)]
+REF_STAGES = ("process_image", "resize", "rescale", "normalize", "patchify")  # methods of the transformers class
+_ref_spent: dict[str, float] = defaultdict(float)  # CPU ms per stage method, filled by TimedReference
 
 
 def make_image(w: int, h: int, seed: int) -> Image.Image:
@@ -31,46 +47,206 @@ def make_image(w: int, h: int, seed: int) -> Image.Image:
     return Image.fromarray(np.clip(base + rng.normal(0, 30, base.shape), 0, 255).astype(np.uint8))
 
 
-def best_ms(fn, rounds: int) -> float:
-    best = float("inf")
+class TimedReference(Qwen2VLImageProcessorPil):
+    """transformers' processor, unchanged, with a clock read around each stage method (for the breakdown only)."""
+
+
+def _timed(name: str) -> Callable:
+    def method(self, *args, **kwargs):
+        start = time.process_time()
+        try:
+            return getattr(Qwen2VLImageProcessorPil, name)(self, *args, **kwargs)
+        finally:
+            _ref_spent[name] += (time.process_time() - start) * 1e3
+
+    return method
+
+
+for _name in REF_STAGES:
+    setattr(TimedReference, _name, _timed(_name))
+
+
+def clock(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall ms, process CPU ms) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
+
+
+def cpu_ms(fn: Callable[[], object]) -> float:
+    return clock(fn)[1]
+
+
+def median_ms(fn: Callable[[], object], rounds: int) -> tuple[float, float]:
+    """Median (wall ms, CPU ms) over rounds."""
+    walls, cpus = zip(*(clock(fn) for _ in range(rounds)), strict=True)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def per_image(ref, ours: ImagePreprocessor, images: list[Image.Image], rounds: int) -> list[dict]:
+    """Median wall and CPU ms of each path on each image; the two run back to back, alternating which goes first."""
+    times: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for r in range(rounds):
+        for i, img in enumerate(images):
+            pair = [("transformers", lambda img=img: ref([img], return_tensors="pt")),
+                    ("ours", lambda img=img: ours([img]))]
+            for name, fn in pair[:: 1 if (r + i) % 2 == 0 else -1]:
+                times[i, name].append(clock(fn))
+    rows = []
+    for i, img in enumerate(images):
+        h, w = smart_resize(img.height, img.width, ours.policy)
+        row = {"width": img.width, "height": img.height, "resized": [w, h], "tokens": h * w // ours.policy.factor**2}
+        for name in ("transformers", "ours"):
+            row[f"{name}_ms"] = statistics.median(wall for wall, _ in times[i, name])
+            row[f"{name}_cpu_ms"] = statistics.median(cpu for _, cpu in times[i, name])
+        rows.append(row)
+    return rows
+
+
+def whole_set(rows: list[dict], kind: str) -> dict[str, float]:
+    ref, ours = sum(r[f"transformers{kind}_ms"] for r in rows), sum(r[f"ours{kind}_ms"] for r in rows)
+    return {"transformers_ms": ref, "ours_ms": ours, "ratio": ref / ours}
+
+
+def ref_stages(images: list[Image.Image], rounds: int) -> dict[str, float]:
+    """Median CPU ms per stage of the transformers path over the set; 'pil_resize' is PIL's resize call alone."""
+    ref, spent = TimedReference(), defaultdict(list)
     for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+        _ref_spent.clear()
+        total = sum(cpu_ms(lambda img=img: ref([img], return_tensors="pt")) for img in images)
+        for name in REF_STAGES:
+            spent[name].append(_ref_spent[name])
+        spent["rest (kwargs, checks, concat, to torch)"].append(total - sum(_ref_spent.values()))
+        spent["total"].append(total)
+        spent["pil_resize (inside resize)"].append(sum(cpu_ms(lambda img=img: _pil_resize(img)) for img in images))
+    return {name: statistics.median(v) for name, v in spent.items()}
+
+
+def _pil_resize(img: Image.Image) -> Image.Image:
+    h, w = smart_resize(img.height, img.width)
+    return img.resize((w, h), Image.Resampling.BICUBIC) if (h, w) != (img.height, img.width) else img
+
+
+def our_stages(ours: ImagePreprocessor, images: list[Image.Image], rounds: int) -> dict[str, float]:
+    """Median CPU ms per stage of our path over the set (normalize and patchify run band by band, as in
+    `to_patches`, with a clock around each call)."""
+    spent = defaultdict(list)
+    for _ in range(rounds):
+        got: dict[str, float] = defaultdict(float)
+        for img in images:
+            got["total"] += cpu_ms(lambda img=img: ours([img]))
+            got["resize (PIL + asarray)"] += cpu_ms(lambda img=img: ours.resize(img))
+            for name, ms in banded_stages(ours, ours.resize(img)).items():
+                got[name] += ms
+        got["rest (total minus the above, ± noise)"] = got["total"] - sum(ms for k, ms in got.items() if k != "total")
+        for name, ms in got.items():
+            spent[name].append(ms)
+    return {name: statistics.median(v) for name, v in spent.items()}
+
+
+def banded_stages(ours: ImagePreprocessor, rgb: np.ndarray) -> dict[str, float]:
+    p, band = ours.policy.patch_size, ours.policy.patch_size * ours.policy.merge_size
+    h, w, _ = rgb.shape
+    planes = np.empty((3, band, w), dtype=np.float32)
+    out, per_band = np.empty((h * w // p**2, ours.patch_dim), dtype=np.float32), band * w // p**2
+    got = {"normalize (table lookup, by bands)": 0.0, "patchify (strided copy, by bands)": 0.0}
+    for i in range(h // band):
+        rgb_band, rows = rgb[i * band : (i + 1) * band], out[i * per_band : (i + 1) * per_band]
+        got["normalize (table lookup, by bands)"] += cpu_ms(lambda b=rgb_band: ours.normalize(b, planes))
+        got["patchify (strided copy, by bands)"] += cpu_ms(lambda r=rows: ours.patchify(planes, r))
+    return got
+
+
+def decode_ms(images: list[Image.Image], rounds: int) -> tuple[float, float]:
+    """Median (wall, CPU) ms to decode the whole set from JPEG (quality 95) to RGB: what both paths would add."""
+    blobs = []
+    for img in images:
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=95)
+        blobs.append(buf.getvalue())
+    return median_ms(lambda: [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs], rounds)
+
+
+def batch_threads(ref, ours: ImagePreprocessor, images: list[Image.Image], threads: int, rounds: int) -> dict:
+    """The whole set as one batch, wall ms: ours on a thread pool vs transformers as it runs (one call,
+    sequential) and vs transformers on the same pool (one call per image). More cores than the one-core
+    comparison: read these as throughput, not as a like-for-like ratio."""
+    with ThreadPoolExecutor(threads) as pool:
+        ref_seq = median_ms(lambda: ref(images, return_tensors="pt"), rounds)[0]
+        ref_pool = median_ms(lambda: list(pool.map(lambda im: ref([im], return_tensors="pt"), images)), rounds)[0]
+        ours_pool = median_ms(lambda: ours(images, executor=pool), rounds)[0]
+    return {"threads": threads, "transformers_sequential_ms": ref_seq, "transformers_pool_ms": ref_pool,
+            "ours_pool_ms": ours_pool, "ratio_vs_sequential": ref_seq / ours_pool,
+            "ratio_vs_pool": ref_pool / ours_pool}
+
+
+def check_parity(ref, ours: ImagePreprocessor, images: list[Image.Image]) -> None:
+    expected = ref(images, return_tensors="pt")
+    with ThreadPoolExecutor(2) as pool:
+        for pixels, grid in (ours(images), ours(images, executor=pool)):
+            assert torch.equal(pixels, expected["pixel_values"]), "pixel_values differ from transformers"
+            assert torch.equal(grid, expected["image_grid_thw"]), "image_grid_thw differs from transformers"
+
+
+def print_report(result: dict) -> None:
+    print(f"{'image':>11} {'tokens':>6} {'transformers ms':>16} {'ours ms':>8} {'ratio':>6} {'CPU ms: ref':>12}"
+          f" {'ours':>7} {'ratio':>6}")
+    for r in result["images"]:
+        print(f"{r['width']:>5}x{r['height']:<5} {r['tokens']:>6} {r['transformers_ms']:>16.2f} {r['ours_ms']:>8.2f}"
+              f" {r['transformers_ms'] / r['ours_ms']:>5.2f}x {r['transformers_cpu_ms']:>12.2f}"
+              f" {r['ours_cpu_ms']:>7.2f} {r['transformers_cpu_ms'] / r['ours_cpu_ms']:>5.2f}x")
+    w, c = result["wall"], result["cpu"]
+    print(f"{'whole set':>11} {'':>6} {w['transformers_ms']:>16.2f} {w['ours_ms']:>8.2f} {w['ratio']:>5.2f}x"
+          f" {c['transformers_ms']:>12.2f} {c['ours_ms']:>7.2f} {c['ratio']:>5.2f}x")
+    print(f"(one core each, decode excluded, medians of {result['setup']['rounds']} rounds)")
+    for side in ("transformers", "ours"):
+        print(f"\nstages, {side} (CPU ms over the set):")
+        for name, ms in result["stages"][side].items():
+            print(f"  {name:<44} {ms:8.2f}")
+    print(f"\nceiling with PIL's resize (transformers total / PIL resize alone, CPU):"
+          f" {result['ceiling_pil_resize']:.2f}x")
+    d = result["decode"]
+    print(f"JPEG decode of the set: {d['ms']:.2f} ms wall, {d['cpu_ms']:.2f} ms CPU; ratio with decode on both"
+          f" sides: {d['ratio_with_decode']:.2f}x wall, {d['cpu_ratio_with_decode']:.2f}x CPU")
+    if "threads" in result:
+        t = result["threads"]
+        print(f"batch of {len(result['images'])} images, {t['threads']} threads: ours {t['ours_pool_ms']:.2f} ms; "
+              f"transformers sequential {t['transformers_sequential_ms']:.2f} ms ({t['ratio_vs_sequential']:.2f}x), "
+              f"transformers on the same pool {t['transformers_pool_ms']:.2f} ms ({t['ratio_vs_pool']:.2f}x)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5, help="timed repetitions per image (best is kept)")
-    ap.add_argument("--threads", type=int, default=0, help="also time ours on the whole set with a thread pool")
-    ap.add_argument("--json", default="bench_preprocess.json", help="where to write the results")
+    ap.add_argument("--rounds", type=int, default=15, help="timed repetitions of everything (medians are kept)")
+    ap.add_argument("--threads", type=int, default=0, help="also time a whole-set batch on a pool of this size")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (1: a one-core comparison)")
+    ap.add_argument("--out", default="bench-results/preprocess.json", help="where to write the JSON results")
     args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
 
     ref, ours = Qwen2VLImageProcessorPil(), ImagePreprocessor()
     images = [make_image(w, h, i) for i, (w, h) in enumerate(IMAGE_SIZES)]
-    expected = ref(images, return_tensors="pt")
-    pixels, grid = ours(images)
-    assert torch.equal(pixels, expected["pixel_values"]) and torch.equal(grid, expected["image_grid_thw"])
+    check_parity(ref, ours, images)
 
-    rows = []
-    print(f"{'image':>11} {'tokens':>6} {'transformers ms':>16} {'ours ms':>8} {'ratio':>6}")
-    for (w, h), img, g in zip(IMAGE_SIZES, images, grid.tolist(), strict=True):
-        # per image, one right after the other, so drifts in machine load hit both
-        t_ref = best_ms(partial(ref, [img]), args.rounds)
-        t_ours = best_ms(partial(ours, [img]), args.rounds)
-        rows.append({"width": w, "height": h, "tokens": g[1] * g[2] // 4, "transformers_ms": t_ref, "ours_ms": t_ours})
-        print(f"{f'{w}x{h}':>11} {rows[-1]['tokens']:>6} {t_ref:>16.2f} {t_ours:>8.2f} {t_ref / t_ours:>5.1f}x")
-    total_ref, total_ours = sum(r["transformers_ms"] for r in rows), sum(r["ours_ms"] for r in rows)
-    result = {"images": rows, "transformers_ms": total_ref, "ours_ms": total_ours, "ratio": total_ref / total_ours}
-    print(f"{'whole set':>11} {'':>6} {total_ref:>16.2f} {total_ours:>8.2f} {total_ref / total_ours:>5.1f}x")
+    rows = per_image(ref, ours, images, args.rounds)
+    wall, cpu = whole_set(rows, ""), whole_set(rows, "_cpu")
+    stages = {"transformers": ref_stages(images, args.rounds), "ours": our_stages(ours, images, args.rounds)}
+    dec_wall, dec_cpu = decode_ms(images, args.rounds)
+    result = {
+        "setup": {"rounds": args.rounds, "torch_threads": args.torch_threads, "cpus": os.cpu_count(),
+                  "decode_included": False, "statistic": "median per image, summed over the set",
+                  "images": "synthetic noisy gradients, decoded RGB PIL images"},
+        "images": rows, "wall": wall, "cpu": cpu, "ratio": wall["ratio"], "stages": stages,
+        "ceiling_pil_resize": stages["transformers"]["total"] / stages["transformers"]["pil_resize (inside resize)"],
+        "decode": {"ms": dec_wall, "cpu_ms": dec_cpu,
+                   "ratio_with_decode": (wall["transformers_ms"] + dec_wall) / (wall["ours_ms"] + dec_wall),
+                   "cpu_ratio_with_decode": (cpu["transformers_ms"] + dec_cpu) / (cpu["ours_ms"] + dec_cpu)},
+    }
     if args.threads > 0:
-        with ThreadPoolExecutor(args.threads) as pool:
-            t_pool = best_ms(partial(ours, images, executor=pool), args.rounds)
-        result["ours_threads"] = {"threads": args.threads, "ms": t_pool, "ratio": total_ref / t_pool}
-        print(f"ours with {args.threads} threads on the whole set: {t_pool:.2f} ms, {total_ref / t_pool:.1f}x")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+        result["threads"] = batch_threads(ref, ours, images, args.threads, args.rounds)
+    print_report(result)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -6,17 +6,18 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from vlmq.workers.engine.preprocess import ImagePreprocessor
 
 from vlmq.cost import ResolutionPolicy
 from vlmq.images import decode
+from vlmq.workers.engine.preprocess import ImagePreprocessor
 
 SIZES = [  # (width, height): tiny, odd, extreme aspect ratios, exact multiples (no resize), up- and downscales
     (1, 1), (13, 97), (33, 71), (56, 56), (28, 1400), (1500, 30), (101, 103), (448, 448), (640, 480),
-    (777, 333), (1000, 1000), (1344, 1008), (1920, 1080),
+    (777, 333), (1000, 1000), (1344, 1008), (1920, 1080), (200, 3000), (4032, 3024),
 ]  # fmt: skip
+RANDOM_SIZES = [tuple(int(v) for v in s) for s in np.random.default_rng(7).integers(2, 2600, size=(8, 2))]
 SETTINGS = [  # (min_pixels, max_pixels): the class defaults, then smaller and larger budgets
     (56 * 56, 28 * 28 * 1280),
     (28 * 28 * 4, 28 * 28 * 64),
@@ -32,7 +33,7 @@ def photo(w: int, h: int, seed: int) -> Image.Image:
     return Image.fromarray(np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8))
 
 
-def reference(images, min_pixels: int, max_pixels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(images, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280):
     proc = Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
     out = proc(images, return_tensors="pt")
     return out["pixel_values"], out["image_grid_thw"]
@@ -42,55 +43,105 @@ def ours(min_pixels: int, max_pixels: int) -> ImagePreprocessor:
     return ImagePreprocessor(ResolutionPolicy(min_pixels=min_pixels, max_pixels=max_pixels))
 
 
+def assert_same(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor], what) -> None:
+    assert torch.equal(got[1], expected[1]), what
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], expected[0]), what
+
+
 @pytest.mark.parametrize(
-    ("min_pixels", "max_pixels", "sizes"), [(*SETTINGS[0], SIZES), *[(*s, SIZES[::2]) for s in SETTINGS[1:]]]
+    ("min_pixels", "max_pixels", "sizes"),
+    [(*SETTINGS[0], SIZES + RANDOM_SIZES), *[(*s, SIZES[::2] + RANDOM_SIZES[::2]) for s in SETTINGS[1:]]],
 )
 def test_bit_for_bit_over_sizes(min_pixels, max_pixels, sizes):
     pre = ours(min_pixels, max_pixels)
     for i, (w, h) in enumerate(sizes):
         img = photo(w, h, seed=i)
-        pixels, grid = pre([img])
-        ref_pixels, ref_grid = reference([img], min_pixels, max_pixels)
-        assert torch.equal(grid, ref_grid), (w, h)
-        assert pixels.dtype == torch.float32 and torch.equal(pixels, ref_pixels), (w, h)
+        assert_same(pre([img]), reference([img], min_pixels, max_pixels), (w, h))
 
 
 def test_batch_numpy_input_and_threads_match():
     images = [photo(w, h, seed=10 + i) for i, (w, h) in enumerate([(640, 480), (33, 71), (1000, 1000), (300, 500)])]
-    ref_pixels, ref_grid = reference(images, 56 * 56, 28 * 28 * 1280)
+    expected = reference(images)
     pre = ImagePreprocessor()
-    for got in (pre(images), pre([np.asarray(im) for im in images])):
-        assert torch.equal(got[0], ref_pixels) and torch.equal(got[1], ref_grid)
-    with ThreadPoolExecutor(2) as pool:
-        pixels, grid = pre(images, executor=pool)
-    assert torch.equal(pixels, ref_pixels) and torch.equal(grid, ref_grid)
+    assert_same(pre(images), expected, "PIL")
+    assert_same(pre([np.asarray(im) for im in images]), expected, "numpy")
+    with ThreadPoolExecutor(3) as pool:
+        assert_same(pre(images, executor=pool), expected, "threads")
+    pixels, grid = pre([])
+    assert pixels.shape == (0, 3 * 2 * 14 * 14) and grid.shape == (0, 3)
 
 
-@pytest.mark.parametrize("mode", ["L", "LA", "RGBA", "P", "I;16", "CMYK", "1"])
-def test_other_modes_after_intake_canonicalisation(mode):
-    """Every mode reaches the engine as canonical RGB (vlmq.images.decode); on that we match transformers."""
-    src = photo(150, 110, seed=3)
-    img = src.convert("L").convert("I;16") if mode == "I;16" else src.convert(mode)
+def encoded(img: Image.Image, fmt: str, **save) -> bytes:
     buf = io.BytesIO()
-    img.save(buf, format="JPEG" if mode == "CMYK" else "PNG")
-    rgb = decode(buf.getvalue())
+    img.save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
+def with_transparency(src: Image.Image) -> Image.Image:
+    p = src.convert("P", palette=Image.Palette.ADAPTIVE, colors=64)
+    p.info["transparency"] = 3
+    return p
+
+
+MODES = {  # mode -> (image in that mode, format): transformers converts these to RGB the way vlmq.images.decode does
+    "L": (lambda s: s.convert("L"), "PNG"),
+    "LA": (lambda s: s.convert("LA"), "PNG"),
+    "RGBA": (lambda s: s.convert("RGBA"), "PNG"),
+    "P": (lambda s: s.convert("P"), "PNG"),
+    "P+transparency": (with_transparency, "PNG"),
+    "CMYK": (lambda s: s.convert("CMYK"), "JPEG"),
+    "1": (lambda s: s.convert("1"), "PNG"),
+    "RGB JPEG": (lambda s: s, "JPEG"),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_modes_decoded_by_us_match_transformers_on_the_raw_image(mode):
+    """Bytes in: our decode + preprocess gives what transformers gives when handed the opened image."""
+    make, fmt = MODES[mode]
+    src = photo(150, 110, seed=3)
+    alpha = Image.fromarray(np.linspace(0, 255, 150 * 110).reshape(110, 150).astype(np.uint8))
+    if mode in ("LA", "RGBA"):
+        src.putalpha(alpha)  # a real alpha ramp, so compositing on white matters
+    data = encoded(make(src), fmt)
+    rgb = decode(data)
     assert rgb.mode == "RGB"
-    pixels, grid = ImagePreprocessor()([rgb])
-    ref_pixels, ref_grid = reference([rgb], 56 * 56, 28 * 28 * 1280)
-    assert torch.equal(pixels, ref_pixels) and torch.equal(grid, ref_grid)
+    assert_same(ImagePreprocessor()([rgb]), reference([Image.open(io.BytesIO(data))]), mode)
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_exif_rotated_jpeg_matches_transformers_on_the_upright_image(orientation):
+    """transformers ignores EXIF orientation; we apply it at decode, so we match it on the transposed image."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encoded(photo(160, 90, seed=5), "JPEG", exif=exif)
+    rgb = decode(data)
+    assert rgb.size == ((90, 160) if orientation in (6, 8) else (160, 90))
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    assert_same(ImagePreprocessor()([rgb]), reference([upright]), orientation)
+
+
+def test_16_bit_grey_is_scaled_at_decode_then_matches_transformers():
+    """16-bit grey is scaled v/257 at decode (transformers would clip it); on that RGB image we match exactly."""
+    grey = (np.linspace(0, 65535, 130 * 90).reshape(90, 130)).astype(np.uint16)
+    rgb = decode(encoded(Image.fromarray(grey), "PNG"))
+    assert rgb.mode == "RGB" and np.asarray(rgb)[-1, -1, 0] == 255
+    assert_same(ImagePreprocessor()([rgb]), reference([rgb]), "I;16")
 
 
 def test_settings_from_preprocessor_config_and_bad_input():
     pre = ImagePreprocessor.from_preprocessor_config(
-        {"size": {"shortest_edge": 3136, "longest_edge": 50176}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+        {"size": {"shortest_edge": 3136, "longest_edge": 50176}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+         "rescale_factor": 1 / 127.5}
     )
     img = photo(500, 400, seed=4)
     proc = Qwen2VLImageProcessorPil(size={"shortest_edge": 3136, "longest_edge": 50176}, image_mean=[0.5] * 3,
-                                    image_std=[0.5] * 3)  # fmt: skip
+                                    image_std=[0.5] * 3, rescale_factor=1 / 127.5)  # fmt: skip
     ref = proc([img], return_tensors="pt")
-    pixels, grid = pre([img])
-    assert torch.equal(pixels, ref["pixel_values"]) and torch.equal(grid, ref["image_grid_thw"])
+    assert_same(pre([img]), (ref["pixel_values"], ref["image_grid_thw"]), "config")
     with pytest.raises(ValueError, match="RGB"):
-        pre([img.convert("L")])
+        pre([img, img.convert("L")])
+    with pytest.raises(ValueError, match="uint8"):
+        pre([np.zeros((10, 10, 4), dtype=np.uint8)])
     with pytest.raises(ValueError, match="do_normalize"):
         ImagePreprocessor.from_preprocessor_config({"do_normalize": False})

@@ -1,11 +1,20 @@
 """Fast Qwen2-VL image preprocessing, bit for bit equal to transformers' `Qwen2VLImageProcessor`.
 
-The reference (`Qwen2VLImageProcessorPil`) resizes with PIL bicubic to `smart_resize`'s size, then rescales
-in float64 (`uint8 * 1/255`, cast to float32), normalises in float32 (`(x - mean) / std`) and patchifies.
-The per-pixel part depends only on (channel, byte value), so we tabulate it once: a 3×256 float32 table built
-with exactly those numpy operations. Per image we then do the same PIL resize, look every pixel up in the table
-(float32 planes) and move the planes into patch order with one strided copy. The resize (PIL's own C code) is
-the floor: bit-exact output needs PIL's fixed-point bicubic, and it is most of our time on large images.
+The reference (`Qwen2VLImageProcessorPil`) copies the image to numpy and back to PIL, resizes with PIL bicubic to
+`smart_resize`'s size, rescales in float64 (`uint8 * 1/255`, cast to float32), normalises in float32
+(`(x - mean) / std`, on a transposed view), patchifies with a numpy reshape copy and concatenates. The per-pixel
+arithmetic depends only on (channel, byte value), so we tabulate it once: a 3×256 float32 table built with exactly
+those numpy operations. Per image we do the same PIL resize, then, one band of patch*merge rows at a time, look
+every pixel up in the table (float32 planes that stay in cache) and copy the band into patch order, straight into
+the batch's output buffer.
+
+The resize is the floor. Bit-exact output needs PIL's two-pass bicubic with 22-bit fixed-point weights, and PIL's
+scalar C loop is about 30% of the reference's CPU time on the benchmark set (141 of 443 ms in one run), so on one
+core this path cannot be more than ~3.1-3.5× faster than transformers whatever the rest costs. Faster resamplers
+within reach are not exact (torch's uint8 AVX2 antialias kernel takes ~9 ms instead of ~30 ms at 1080p but is off
+by one in ~0.5% of values) or not faster (exact torch versions, a banded float32 GEMM with split weights or an
+embedding_bag, are slower than PIL). More throughput comes from images in parallel: PIL's resize and numpy's take
+and copyto release the GIL.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -56,48 +66,87 @@ class ImagePreprocessor:
             kw["rescale_factor"] = float(config["rescale_factor"])
         return cls(**kw)
 
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch row: 3 channels × temporal_patch_size frames × patch_size²."""
+        return 3 * self.policy.temporal_patch_size * self.policy.patch_size**2
+
     def __call__(
         self, images: Sequence[Image.Image | np.ndarray], executor: Executor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RGB images (PIL mode "RGB" or uint8 arrays [H, W, 3]) -> pixel_values [P, 3*Tp*p*p] float32 and
         image_grid_thw [N, 3] int64, as the transformers processor returns them for the same images.
 
-        With an executor, images are processed in parallel (PIL's resize and numpy release the GIL)."""
-        per_image = list(executor.map(self.one, images) if executor is not None else map(self.one, images))
-        patches = [x for x, _ in per_image]
-        pixel_values = torch.from_numpy(np.concatenate(patches) if len(patches) != 1 else patches[0])
-        return pixel_values, torch.tensor([g for _, g in per_image], dtype=torch.int64).view(-1, 3)
+        Every image is checked before any work starts. With an executor, images are processed in parallel, each
+        writing its own rows of one output buffer (no concatenation copy)."""
+        pils = [_as_rgb_pil(image) for image in images]
+        sizes = [smart_resize(pil.height, pil.width, self.policy) for pil in pils]
+        p = self.policy.patch_size
+        grid = torch.tensor([(1, h // p, w // p) for h, w in sizes], dtype=torch.int64).view(-1, 3)
+        ends = np.cumsum([0] + [h * w // (p * p) for h, w in sizes]).tolist()
+        out = np.empty((ends[-1], self.patch_dim), dtype=np.float32)
+        jobs = list(zip(pils, sizes, [out[a:b] for a, b in pairwise(ends)], strict=True))
+        if executor is None:
+            for job in jobs:
+                self._fill(job)
+        else:
+            list(executor.map(self._fill, jobs))  # list() waits for all and re-raises the first error
+        return torch.from_numpy(out), grid
 
-    def one(self, image: Image.Image | np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """One image -> (patches [gh*gw, 3*Tp*p*p] float32, (1, gh, gw))."""
-        rgb = self.resize(image)
-        grid = (1, rgb.shape[0] // self.policy.patch_size, rgb.shape[1] // self.policy.patch_size)
-        return self.patchify(rgb), grid
+    def _fill(self, job: tuple[Image.Image, tuple[int, int], np.ndarray]) -> None:
+        pil, size, rows = job
+        self.to_patches(self.resize(pil, size), out=rows)
 
-    def resize(self, image: Image.Image | np.ndarray) -> np.ndarray:
-        """The reference's resize: PIL bicubic to smart_resize's (height, width). -> uint8 [h, w, 3]."""
+    def resize(self, image: Image.Image | np.ndarray, size: tuple[int, int] | None = None) -> np.ndarray:
+        """The reference's resize: PIL bicubic to (height, width), by default smart_resize's. -> uint8 [h, w, 3]."""
         pil = _as_rgb_pil(image)
-        height, width = smart_resize(pil.height, pil.width, self.policy)
-        if (height, width) != (pil.height, pil.width):
+        height, width = size or smart_resize(pil.height, pil.width, self.policy)
+        if (height, width) != (pil.height, pil.width):  # PIL would return a copy; the reference resizes anyway
             pil = pil.resize((width, height), resample=Image.Resampling.BICUBIC)
         return np.asarray(pil)
 
-    def patchify(self, rgb: np.ndarray) -> np.ndarray:
-        """uint8 [h, w, 3] (sides multiples of patch*merge) -> float32 [gh*gw, 3*Tp*p*p], rows in the
-        processor's order: merge×merge blocks row-major, patches row-major inside a block; each patch's values
+    def to_patches(self, rgb: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """uint8 [h, w, 3] (sides multiples of patch*merge) -> float32 [gh*gw, 3*Tp*p*p] (written into `out` if
+        given): `normalize` then `patchify`, one band of patch*merge rows at a time, so the band's float planes
+        stay in cache between the two and memory traffic is about the output alone."""
+        band = self.policy.patch_size * self.policy.merge_size
+        h, w, _ = rgb.shape
+        out = self._output(h, w) if out is None else out
+        planes = np.empty((3, band, w), dtype=np.float32)  # reused for every band
+        src = self._in_patch_order(planes)[0]  # [gw/m, m, m, 3, Tp, p, p], a view of planes
+        dst = out.reshape(h // band, *src.shape)
+        for i in range(h // band):
+            self.normalize(rgb[i * band : (i + 1) * band], out=planes)
+            np.copyto(dst[i], src)
+        return out
+
+    def normalize(self, rgb: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """uint8 [h, w, 3] -> float32 planes [3, h, w]: the reference's rescale and normalise, by table lookup."""
+        out = np.empty((3, *rgb.shape[:2]), dtype=np.float32) if out is None else out
+        for c in range(3):
+            np.take(self._table[c], rgb[..., c], out=out[c], mode="clip")
+        return out
+
+    def patchify(self, planes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """float32 planes [3, h, w] (sides multiples of patch*merge) -> [gh*gw, 3*Tp*p*p] in one strided copy
+        (written into `out` if given)."""
+        _, h, w = planes.shape
+        out = self._output(h, w) if out is None else out
+        src = self._in_patch_order(planes)
+        np.copyto(out.reshape(src.shape), src)
+        return out
+
+    def _in_patch_order(self, planes: np.ndarray) -> np.ndarray:
+        """[3, h, w] -> a view [gh/m, gw/m, m, m, 3, Tp, p, p] (frame broadcast, nothing copied): the processor's
+        row order (merge×merge blocks row-major, patches row-major inside a block), each patch's values
         channel-major, the frame repeated Tp times."""
         p, m, tp = self.policy.patch_size, self.policy.merge_size, self.policy.temporal_patch_size
-        h, w, _ = rgb.shape
-        gh, gw = h // p, w // p
-        planes = np.empty((3, h, w), dtype=np.float32)
-        for c in range(3):  # table lookup = the reference's rescale + normalise of every pixel value
-            np.take(self._table[c], rgb[..., c], out=planes[c], mode="clip")
-        # [3, gh/m, m, p, gw/m, m, p] -> [gh/m, gw/m, m, m, 3, Tp, p, p] in one strided copy (frame broadcast).
-        # torch's copy kernel does this permutation ~2x faster than numpy's; numpy allocates (cheap page reuse)
-        out = np.empty((gh // m, gw // m, m, m, 3, tp, p, p), dtype=np.float32)
-        src = torch.from_numpy(planes).view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-        torch.from_numpy(out).copy_(src.unsqueeze(5).expand(-1, -1, -1, -1, -1, tp, -1, -1))
-        return out.reshape(gh * gw, 3 * tp * p * p)
+        _, h, w = planes.shape
+        src = planes.reshape(3, h // (m * p), m, p, w // (m * p), m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        return np.broadcast_to(src[:, :, :, :, :, None], (*src.shape[:5], tp, p, p))
+
+    def _output(self, h: int, w: int) -> np.ndarray:
+        return np.empty((h * w // self.policy.patch_size**2, self.patch_dim), dtype=np.float32)
 
 
 def _value_table(scale: float, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
@@ -116,10 +165,3 @@ def _as_rgb_pil(image: Image.Image | np.ndarray) -> Image.Image:
     if image.mode != "RGB":
         raise ValueError(f"expected an RGB image, got mode {image.mode!r}; canonicalise with vlmq.images.decode")
     return image
-
-
-def preprocess_images(
-    images: Sequence[Image.Image | np.ndarray], preprocessor: ImagePreprocessor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(pixel_values [P, 3*Tp*p*p] float32, image_grid_thw [N, 3] int64)` with default or given settings."""
-    return (preprocessor or ImagePreprocessor())(images)
