@@ -45,16 +45,16 @@ TRAIN_SEED, EVAL_SEED, DEMO_SEED, TEST_SEED = 1000, 7, 8, 9
 class Options:
     out: Path = TARGET_DIR
     draft_out: Path = DRAFT_DIR
-    steps: int = 2600  # about 55k images; on 2 free cores this takes ~30 min, budget_min caps it anyway
-    draft_steps: int = 400
-    budget_min: float = 30.0  # wall-clock cap on target training (0: none); the schedule follows whichever ends first
-    draft_budget_min: float = 3.0
-    lr: float = 3e-3
+    steps: int = 100_000  # the wall-clock budgets below end training first on a 2-core machine
+    draft_steps: int = 100_000
+    budget_min: float = 23.0  # wall-clock cap on target training (0: none); the schedule follows whichever ends first
+    draft_budget_min: float = 2.0
+    lr: float = 4e-3
     draft_lr: float = 3e-3
     warmup: int = 60
     pool: int = 48  # images generated at a time, then bucketed by size
     batch_tokens: int = 1024  # padded LM tokens per step and process
-    questions_per_image: int = 1  # rows per image: 1 = caption or question; n > 1 = caption + n-1 questions
+    questions_per_image: int = 3  # 1 = caption or question; n > 1 = caption + n-1 distinct questions
     max_side: int | None = None  # restrict image sides (smoke tests)
     eval_n: int = 200
     seed: int = TRAIN_SEED
@@ -64,16 +64,28 @@ class Options:
     init_from: Path | None = None  # start the target from this folder instead of random weights
     log_every: int = 50
     hidden: int = 128  # target text hidden size (= vision merger output)
-    layers: int = 3
+    layers: int = 4
     mlp_mult: int = 2
     vision_depth: int = 3
     vision_embed: int = 64
+    rope_theta: float = 20.0  # high M-RoPE frequencies: a few-token shift in h or w is visible to attention
+    mrope: str = "4,6,6"  # frequency pairs per (t, h, w) axis; sums to head_dim / 2
+    probe_every: int = 0  # 1: each log line adds the loss with each image's own vs another image's features
+    aux_weight: float = 0.5  # weight of the training-only dense losses (0: answers only)
+    turns: int = 0  # 1: each image's questions as one multi-turn conversation (the image is encoded once)
+    small_until: float = 0.5  # curriculum: images of at most 224 px per side until this fraction of training
 
 
-def batches(builder, rng, opts: Options):
-    """Endless stream of lists of Groups, each within the padded token budget."""
+def batches(builder, rng, opts: Options, clock: dict | None = None):
+    """Endless stream of lists of Groups, each within the padded token budget.
+
+    clock["progress"] (kept by run_training) drives the size curriculum (opts.small_until)."""
     while True:
-        groups = [data.make_group(builder, rng, opts.questions_per_image, opts.max_side) for _ in range(opts.pool)]
+        max_side = opts.max_side
+        if clock is not None and clock.get("progress", 0.0) < opts.small_until:
+            max_side = min(max_side or 224, 224)
+        groups = [data.make_group(builder, rng, opts.questions_per_image, max_side, bool(opts.turns))
+                  for _ in range(opts.pool)]
         groups.sort(key=lambda g: g.num_image_tokens)
         batch: list[data.Group] = []
         out = []
@@ -90,12 +102,13 @@ def batches(builder, rng, opts: Options):
             yield out[i]
 
 
-def target_loss(model, batch, pad_id):
+def target_loss(model, batch, pad_id, aux_weight: float = 0.0):
     pixel_values = torch.cat([g.pixel_values for g in batch])
     grids = torch.stack([g.grid_thw for g in batch])
     feats = model.model.get_image_features(pixel_values, grids, return_dict=True).pooler_output
-    rows, row_feats, row_grids = [], [], []
+    rows, row_feats, row_grids, firsts = [], [], [], []
     for g, f in zip(batch, feats, strict=True):
+        firsts.append(len(rows))
         for r in g.rows:
             rows.append(r)
             row_feats.append(f)
@@ -109,7 +122,65 @@ def target_loss(model, batch, pad_id):
         mm_token_type_ids=mm_types,
         mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(row_feats))},
     ).last_hidden_state
-    return _answer_loss(model.lm_head, hidden, labels)
+    loss = _answer_loss(model.lm_head, hidden, labels)
+    if aux_weight and hasattr(model, "aux"):
+        loss = loss + aux_weight * _aux_loss(model.aux, torch.cat(feats), hidden, labels, batch, firsts)
+    return loss
+
+
+AUX_CLASSES = (1 + len(shapes.COLOUR_NAMES), 1 + len(shapes.SHAPES))
+
+
+def aux_heads(hidden: int) -> torch.nn.ModuleDict:
+    """Training-only heads (removed before saving): what each image token shows, what each cell holds."""
+    per = sum(AUX_CLASSES)
+    return torch.nn.ModuleDict({"token": torch.nn.Linear(hidden, per), "cell": torch.nn.Linear(hidden, 9 * per)})
+
+
+def _split_ce(logits, targets):
+    colour, shape = logits.split(AUX_CLASSES, dim=-1)
+    ce = torch.nn.functional.cross_entropy
+    return ce(colour.reshape(-1, AUX_CLASSES[0]), targets[..., 0].reshape(-1)) + \
+        ce(shape.reshape(-1, AUX_CLASSES[1]), targets[..., 1].reshape(-1))
+
+
+def _aux_loss(aux, feats, hidden, labels, batch, firsts):
+    # dense targets for the vision tower (per image token) and for the LM's reading of the layout (per cell,
+    # from the hidden state that predicts the first answer token of each image's first row)
+    token_loss = _split_ce(aux["token"](feats), torch.cat([g.token_labels for g in batch]))
+    last_prompt = (labels[firsts] != data.IGNORE).int().argmax(1) - 1
+    state = hidden[torch.tensor(firsts), last_prompt]
+    cell_logits = aux["cell"](state).view(len(batch), 9, -1)
+    return token_loss + _split_ce(cell_logits, torch.stack([g.cell_labels for g in batch]))
+
+
+def probe_pairs(builder, n: int = 24, seed: int = EVAL_SEED + 100) -> list[tuple[data.Group, data.Group]]:
+    """Pairs of same-sized images: rows asked about the first, features of either (a vision-use probe)."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(n):
+        size = shapes.sample_size(rng, (0.6, 0.9, 0.99))
+        groups = []
+        for _ in range(2):
+            scene = shapes.sample_scene(rng, size)
+            out = builder.processor.image_processor(images=[shapes.render(scene, rng)], return_tensors="pt")
+            grid = out["image_grid_thw"][0]
+            k = int(grid.prod()) // 4
+            qa = [(shapes.CAPTION_PROMPT, shapes.caption(scene)), shapes.pick_question(scene, rng, 0.0)]
+            groups.append(data.Group(out["pixel_values"], grid, [builder.row(q, a, k) for q, a in qa], qa, k))
+        pairs.append((groups[0], groups[1]))
+    return pairs
+
+
+@torch.no_grad()
+def probe(model, pairs, pad_id) -> tuple[float, float]:
+    """(loss with each image's own features, loss with its pair's features): equal means blind."""
+    own = [g for g, _ in pairs]
+    swapped = [data.Group(o.pixel_values, o.grid_thw, g.rows, g.qa, g.num_image_tokens) for g, o in pairs]
+    model.eval()
+    result = float(target_loss(model, own, pad_id)), float(target_loss(model, swapped, pad_id))
+    model.train()
+    return result
 
 
 def _answer_loss(head, hidden, labels):
@@ -145,7 +216,8 @@ def _all_reduce_grads(params) -> None:
         offset += g.numel()
 
 
-def run_training(model, loss_fn, stream, steps, peak_lr, warmup, log_every, name, budget_s=0.0):
+def run_training(model, loss_fn, stream, steps, peak_lr, warmup, log_every, name, budget_s=0.0, probe_fn=None,
+                 clock: dict | None = None):
     """AdamW on a warmup + cosine schedule over `steps`, or over `budget_s` seconds if that runs out first."""
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=peak_lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -168,9 +240,12 @@ def run_training(model, loss_fn, stream, steps, peak_lr, warmup, log_every, name
         seen += len(batch)
         step += 1
         progress = _progress(step, steps, time.time() - t0, budget_s, parallel)
+        if clock is not None:
+            clock["progress"] = progress
         if log_every and step % log_every == 0 and _rank() == 0:
             print(f"[{name}] step {step}/{steps} progress {progress:.3f} loss {np.mean(running):.4f} "
-                  f"images/rank {seen} wall {time.time() - t0:.0f}s cpu/rank {time.process_time() - c0:.0f}s",
+                  f"images/rank {seen} wall {time.time() - t0:.0f}s cpu/rank {time.process_time() - c0:.0f}s"
+                  + ("" if probe_fn is None else " probe own/swapped {:.3f}/{:.3f}".format(*probe_fn(model))),
                   flush=True)
             running = []
     model.eval()
@@ -294,13 +369,33 @@ def write_model_cards(opts: Options, report: dict, argv: list[str]) -> None:
     (opts.out / "README.md").write_text(MODEL_CARD.format(
         params=report["target_params"], text=json.dumps(target_cfg["text_config"], sort_keys=True),
         vision=json.dumps(target_cfg["vision_config"], sort_keys=True), command=command,
-        secs=report["target_seconds"], images=report["target_images"], wall=report["train_wall_seconds"],
+        secs=report["target_seconds"], images=report["target_images"], wall=report["script_wall_seconds"],
         procs=report["procs"], steps=report["target_steps"], cpu=report["target_cpu_seconds"],
-        accuracy=accuracy, agreement=agreement, draft_params=report["draft_params"]))
+        accuracy=accuracy, agreement=agreement, draft_params=report["draft_params"], small=opts.small_until,
+        rows=_rows_sentence(opts), status=_status(ev)))
     (opts.draft_out / "README.md").write_text(DRAFT_CARD.format(
         params=report["draft_params"], config=json.dumps(draft_cfg, sort_keys=True), command=command,
         secs=report["draft_seconds"], images=report["draft_images"], cpu=report["draft_cpu_seconds"],
         agreement=agreement))
+
+
+def _status(ev: dict) -> str:
+    if ev and ev["exact_match"] >= 0.95:
+        return ""
+    return ("\n**Below the bar:** vlmq's tests ask for 95% exact match on held-out images; these weights do not reach "
+            "it (the tests mark that as an expected failure). The model reads its images (its loss with another "
+            "image's features is about twice its loss with its own) but still misses positions, counts and shapes "
+            "in many multi-shape captions.\n")
+
+
+def _rows_sentence(opts: Options) -> str:
+    n = opts.questions_per_image
+    if n == 1:
+        return "Each image gives one row: the caption or, half the time, a question."
+    if opts.turns:
+        return (f"Each image is one multi-turn conversation: the caption and {n - 1} distinct questions in random "
+                f"order, every answer scored, so the image is encoded once for {n} answers.")
+    return f"Each image gives {n} rows (the caption and {n - 1} distinct questions) sharing one vision-tower pass."
 
 
 MODEL_CARD = """# tiny-shapes: a bundled Qwen2-VL that really sees
@@ -333,14 +428,20 @@ up to 3:1, some large images with small (18-30 px) shapes. Prompts: "Describe th
 
 ## Training
 `{command}` (generated on the fly, training seeds 1000/1001; held-out seeds 7 (eval), 8 (demo), 9 (tests)).
-Each image gives one row (the caption or, half the time, a question); images are bucketed by size so
-batches carry little padding. AdamW, warmup + cosine schedule, float32, {procs} data-parallel processes of
-one thread each (gloo all-reduce). Target: {images} images, {steps} steps, {secs:.0f} s wall,
-{cpu:.0f} CPU-seconds; whole script (target + draft) {wall:.0f} s wall. Measured on a 2-core machine shared
-with other jobs (load average 5-9), so the wall time is far above what 2 free cores need.
+{rows} Two training-only heads (dropped before
+saving; the checkpoint is a plain Qwen2-VL) add dense targets: the colour and shape under each image
+token (from the vision tower's output) and the colour and shape in each of the nine cells (from the hidden
+state before the first answer). Images of at most 224 px per side for the first {small:.0%} of the run, then the
+full size range (fewer large images than the evaluation mix); batches bucketed by size. M-RoPE theta 20:
+with the default 10,000 the width axis gets frequencies so low that a shape's column barely changes the
+attention scores, and the model stayed blind. AdamW, warmup + cosine schedule, float32, {procs}
+data-parallel processes of one thread each (gloo all-reduce). Target: {images} images, {steps} steps,
+{secs:.0f} s wall, {cpu:.0f} CPU-seconds; whole script (target + draft + evaluation) {wall:.0f} s wall on a
+2-core VM (other work on the machine ran at nice 19).
 
 ## Accuracy
 {accuracy}
+{status}
 
 ## Draft
 `../tiny-shapes-draft` ({draft_params:,} parameters, text-only Qwen2) greedy next-token agreement: {agreement}
@@ -367,10 +468,12 @@ def parse_args(argv) -> Options:
     for name in ("out", "draft_out", "demo_dir", "init_from"):
         p.add_argument("--" + name.replace("_", "-"), type=Path, default=getattr(opts, name))
     ints = ("steps", "draft_steps", "warmup", "pool", "batch_tokens", "max_side", "eval_n", "seed", "procs", "threads",
-            "log_every", "questions_per_image", "hidden", "layers", "mlp_mult", "vision_depth", "vision_embed")
+            "log_every", "questions_per_image", "hidden", "layers", "mlp_mult", "vision_depth", "vision_embed",
+            "probe_every", "turns")
     for name in ints:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(opts, name))
-    for name in ("lr", "draft_lr", "budget_min", "draft_budget_min"):
+    p.add_argument("--mrope", default=opts.mrope)
+    for name in ("lr", "draft_lr", "budget_min", "draft_budget_min", "rope_theta", "aux_weight", "small_until"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(opts, name))
     return Options(**vars(p.parse_args(argv)))
 
@@ -409,14 +512,25 @@ def _train_models(rank: int, opts: Options) -> dict:
         target = Qwen2VLForConditionalGeneration.from_pretrained(opts.init_from, dtype=torch.float32)
     else:
         target = Qwen2VLForConditionalGeneration(tiny_model.target_config(
-            ids, opts.hidden, opts.layers, opts.vision_depth, opts.vision_embed, opts.mlp_mult))
+            ids, opts.hidden, opts.layers, opts.vision_depth, opts.vision_embed, opts.mlp_mult, opts.rope_theta,
+            tuple(int(v) for v in opts.mrope.split(","))))
     draft = Qwen2ForCausalLM(tiny_model.draft_config(ids))
     report = {"target_params": sum(p.numel() for p in target.parameters()),
               "draft_params": sum(p.numel() for p in draft.parameters())}
     rng = np.random.default_rng((opts.seed, rank))
+    probe_fn = None
+    if opts.probe_every and rank == 0:
+        pairs = probe_pairs(builder)
+        probe_fn = lambda m: probe(m, pairs, pad_id)  # noqa: E731
+    if opts.aux_weight:
+        torch.manual_seed(opts.seed + 7)
+        target.aux = aux_heads(target.config.text_config.hidden_size)
+    clock: dict = {}
     secs, cpu, images, steps = run_training(
-        target, lambda m, b: target_loss(m, b, pad_id), batches(builder, rng, opts),
-        opts.steps, opts.lr, opts.warmup, opts.log_every, "target", opts.budget_min * 60)
+        target, lambda m, b: target_loss(m, b, pad_id, opts.aux_weight), batches(builder, rng, opts, clock),
+        opts.steps, opts.lr, opts.warmup, opts.log_every, "target", opts.budget_min * 60, probe_fn, clock)
+    if hasattr(target, "aux"):
+        del target.aux
     report.update(target_seconds=round(secs, 1), target_cpu_seconds=round(cpu, 1), target_images=images,
                   target_steps=steps)
     if rank == 0:
@@ -446,6 +560,7 @@ def main(argv=None) -> int:
         result = evaluate_folder(opts.out, opts.draft_out, opts.eval_n)
         report["eval"] = result
         print(json.dumps(result, indent=1), flush=True)
+    report["script_wall_seconds"] = round(time.time() - t0, 1)
     (opts.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_model_cards(opts, report, argv)
     return 0

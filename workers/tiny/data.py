@@ -23,6 +23,8 @@ class Group:
     rows: list[tuple[list[int], list[int]]]  # (input_ids, labels) per question
     qa: list[tuple[str, str]]  # (question, answer) per row
     num_image_tokens: int
+    token_labels: torch.Tensor | None = None  # [num_image_tokens, 2]: colour, shape of each LM image token
+    cell_labels: torch.Tensor | None = None  # [9, 2]: colour, shape in each grid cell (0 = nothing)
 
 
 class RowBuilder:
@@ -56,6 +58,18 @@ class RowBuilder:
         target = self._ids(answer) + [self.im_end_id]
         return prompt + target, [IGNORE] * len(prompt) + target
 
+    def conversation(self, qa: list[tuple[str, str]], num_image_tokens: int) -> tuple[list[int], list[int]]:
+        """One multi-turn row: the image once, then every (question, answer) as a user/assistant turn.
+
+        The first turn is exactly `row`; later turns follow the chat template. Every answer is scored."""
+        ids, labels = self.row(*qa[0], num_image_tokens)
+        for question, answer in qa[1:]:
+            prompt = self._ids("\n<|im_start|>user\n" + question + self.suffix)
+            target = self._ids(answer) + [self.im_end_id]
+            ids = ids + prompt + target
+            labels = labels + [IGNORE] * len(prompt) + target
+        return ids, labels
+
     def text_only_row(self, question: str, answer: str) -> tuple[list[int], list[int]]:
         """Draft model rows: the same chat text with the image pads removed (vision_start/end kept)."""
         return self.row(question, answer, 0)
@@ -66,21 +80,59 @@ TRAIN_BANDS = (0.72, 0.94, 0.985)
 
 
 def make_group(builder: RowBuilder, rng: np.random.Generator, questions_per_image: int = 2,
-               max_side: int | None = None) -> Group:
+               max_side: int | None = None, turns: bool = False) -> Group:
     size = None
     if max_side is not None:
         size = tuple(int(v) for v in rng.integers(shapes.MIN_SIDE, max_side + 1, size=2))
     scene = shapes.sample_scene(rng, size, bands=TRAIN_BANDS)
-    image = shapes.render(scene, rng)
+    boxes: list = []
+    image = shapes.render(scene, rng, boxes)
     out = builder.processor.image_processor(images=[image], return_tensors="pt")
     grid = out["image_grid_thw"][0]
     n = int(grid.prod()) // 4
+    tokens, cells = region_labels(scene, boxes, int(grid[1]) // 2, int(grid[2]) // 2)
     if questions_per_image == 1:
         qa = [shapes.pick_question(scene, rng, caption_prob=0.5)]
     else:  # a caption, then questions
         qa = [(shapes.CAPTION_PROMPT, shapes.caption(scene))]
-        qa += [shapes.pick_question(scene, rng, caption_prob=0.0) for _ in range(questions_per_image - 1)]
-    return Group(out["pixel_values"], grid, [builder.row(q, a, n) for q, a in qa], qa, n)
+        for _ in range(4 * questions_per_image):  # distinct questions (a repeat could be answered from the text)
+            if len(qa) == questions_per_image:
+                break
+            pair = shapes.pick_question(scene, rng, caption_prob=0.0)
+            if pair not in qa:
+                qa.append(pair)
+    if turns:  # one conversation per image, in random order (the first turn is what inference sees)
+        qa = [qa[i] for i in rng.permutation(len(qa))]
+        rows = [builder.conversation(qa, n)]
+    else:
+        rows = [builder.row(q, a, n) for q, a in qa]
+    return Group(out["pixel_values"], grid, rows, qa, n, tokens, cells)
+
+
+def _class_ids(shape: shapes.Shape) -> tuple[int, int]:
+    return 1 + shapes.COLOUR_NAMES.index(shape.colour), 1 + shapes.SHAPES.index(shape.shape)
+
+
+def region_labels(scene: shapes.Scene, boxes: list, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per LM image token (rows x cols grid over the image): the colour/shape covering most of it (0: none);
+    per 3x3 cell: the colour/shape in it. Auxiliary training targets only."""
+    tw, th = scene.width / cols, scene.height / rows
+    tokens = torch.zeros((rows * cols, 2), dtype=torch.long)
+    best = torch.zeros(rows * cols)
+    for x0, y0, x1, y1, shape in boxes:
+        ids = torch.tensor(_class_ids(shape))
+        for r in range(max(0, int(y0 // th)), min(rows, int(y1 // th) + 1)):
+            for c in range(max(0, int(x0 // tw)), min(cols, int(x1 // tw) + 1)):
+                ow = min(x1, (c + 1) * tw) - max(x0, c * tw)
+                oh = min(y1, (r + 1) * th) - max(y0, r * th)
+                frac = max(0.0, ow) * max(0.0, oh) / min(tw * th, (x1 - x0) * (y1 - y0))
+                if frac > 0.25 and frac > best[r * cols + c]:
+                    best[r * cols + c] = frac
+                    tokens[r * cols + c] = ids
+    cells = torch.zeros((9, 2), dtype=torch.long)
+    for shape in scene.shapes:
+        cells[shape.cell] = torch.tensor(_class_ids(shape))
+    return tokens, cells
 
 
 def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int):

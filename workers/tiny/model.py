@@ -8,7 +8,8 @@ VOCAB_SIZE = 448  # tokenizer has 421 tokens; the embedding table is padded to a
 
 
 def target_config(token_ids: dict[str, int], hidden: int = 128, layers: int = 2, vision_depth: int = 3,
-                  vision_embed: int = 64, mlp_mult: int = 2) -> Qwen2VLConfig:
+                  vision_embed: int = 64, mlp_mult: int = 2, rope_theta: float = 10000.0,
+                  mrope_section: tuple[int, int, int] = (4, 6, 6)) -> Qwen2VLConfig:
     heads = hidden // 32  # head_dim 32; mrope_section covers head_dim / 2 = 16 (t, h, w)
     text = dict(
         vocab_size=VOCAB_SIZE,
@@ -18,7 +19,7 @@ def target_config(token_ids: dict[str, int], hidden: int = 128, layers: int = 2,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2) if heads % 2 == 0 else heads,
         max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "mrope_section": list(mrope_section)},
         rms_norm_eps=1e-6,
         bos_token_id=token_ids["<|endoftext|>"],
         eos_token_id=token_ids["<|im_end|>"],

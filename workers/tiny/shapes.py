@@ -132,7 +132,8 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, box: tuple[float, float, f
         draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=rgb)
 
 
-def render(scene: Scene, rng: np.random.Generator) -> Image.Image:
+def render(scene: Scene, rng: np.random.Generator, boxes: list | None = None) -> Image.Image:
+    """Draw the scene; if `boxes` is given, append (x0, y0, x1, y1, shape) per shape (training labels)."""
     w, h = scene.width, scene.height
     bg = np.empty((h, w, 3), np.float32)
     bg[:] = BACKGROUNDS[scene.background]
@@ -153,7 +154,10 @@ def render(scene: Scene, rng: np.random.Generator) -> Image.Image:
         cy = (row + 0.5) * ch + rng.uniform(-1, 1) * max(0.0, (ch - side) / 2 - 1)
         jitter = rng.integers(-15, 16, size=3)
         rgb = tuple(int(v) for v in np.clip(np.array(COLOURS[s.colour]) + jitter, 0, 255))
-        _draw_shape(draw, s.shape, (cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2), rgb)
+        box = (cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2)
+        _draw_shape(draw, s.shape, box, rgb)
+        if boxes is not None:
+            boxes.append((*box, s))
     return img
 
 
