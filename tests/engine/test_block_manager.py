@@ -1,5 +1,6 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from vlmq.workers.engine.block_manager import BlockManager, num_blocks_for, slot_mapping
 from vlmq.workers.engine.sequence import Sequence
 

@@ -1,4 +1,5 @@
 import pytest
+
 from vlmq.workers.engine import EngineConfig, ImagePlaceholder, SamplingParams, Scheduler, Sequence
 from vlmq.workers.engine.encoder_cache import EncoderCache, make_key
 from vlmq.workers.engine.fake_runner import FakeRunner, check_step, reference_completion, run_until_done

@@ -15,6 +15,7 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
 from vlmq.workers.layers.attention import AttentionMetadata
 from vlmq.workers.models.loader import load_model
 from vlmq.workers.models.qwen2_vl import decode_positions, get_mrope_positions, image_embeds_for_chunk

@@ -6,10 +6,10 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vlmq.workers.engine import EngineConfig, ImagePlaceholder, SamplingParams, Scheduler, Sequence, SequenceStatus
-from vlmq.workers.engine.fake_runner import FakeRunner, check_step, reference_completion, run_until_done
 
 from vlmq.errors import InvalidRequest
+from vlmq.workers.engine import EngineConfig, ImagePlaceholder, SamplingParams, Scheduler, Sequence, SequenceStatus
+from vlmq.workers.engine.fake_runner import FakeRunner, check_step, reference_completion, run_until_done
 
 
 def small_config(**overrides) -> EngineConfig:

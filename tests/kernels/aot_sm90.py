@@ -15,6 +15,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
 from vlmq.kernels import _triton_attn as A  # noqa: E402
 from vlmq.kernels import _triton_kv as KV  # noqa: E402
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from vlmq.kernels import reference
 
 # (atol, rtol) against a float64 ground truth; outputs are O(1) (softmax-weighted randn).

@@ -2,6 +2,7 @@
 import pytest
 import torch
 from kernel_testutil import assert_close, gpu_test, make_case
+
 from vlmq.kernels import (
     CascadePlan,
     cascade_decode_attention,

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 from kernel_testutil import assert_close, make_case, rand_kv
+
 from vlmq.kernels import reference
 
 

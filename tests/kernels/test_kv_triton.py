@@ -2,6 +2,7 @@
 import pytest
 import torch
 from kernel_testutil import gpu_test
+
 from vlmq.kernels import attention, dequantize_kv_blocks, quantize_kv_blocks, store_kv
 
 FP8 = torch.float8_e4m3fn

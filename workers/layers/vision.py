@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from vlmq.workers.layers.attention import varlen_attention
 from vlmq.workers.layers.rotary import apply_rotary
 

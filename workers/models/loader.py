@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
+
 from vlmq.workers.models.qwen2_5_vl import Qwen2_5_VLModel
 from vlmq.workers.models.qwen2_vl import Qwen2VLModel
 

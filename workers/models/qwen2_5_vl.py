@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from vlmq.workers.layers.mlp import GatedMLP
 from vlmq.workers.layers.norm import RMSNorm
 from vlmq.workers.layers.rotary import vision_patch_positions

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from vlmq.workers.layers.attention import AttentionMetadata, paged_attention
 from vlmq.workers.layers.mlp import GatedMLP, PlainMLP
 from vlmq.workers.layers.norm import RMSNorm, layer_norm
