@@ -163,3 +163,16 @@ def test_backend_serves_genrequests(model_dir, workload, reference):
     assert isinstance(d, ValueError) and "RGB" in str(d)
     assert backend.generate([GenRequest("e", img0, q0, MAX_NEW)])[0].token_ids == a.token_ids  # engine reused
     backend.close()
+
+
+def test_encoder_budget_fits_the_largest_image_the_processor_emits():
+    from types import SimpleNamespace
+
+    from vlmq.workers.engine.engine import largest_image_patches
+
+    # Qwen2-VL's default processor: max_pixels 12,845,056 with 14 px patches -> 65,536 patches in one image
+    qwen = SimpleNamespace(size=SimpleNamespace(longest_edge=12_845_056), patch_size=14)
+    assert largest_image_patches(qwen) == 65_536
+    assert Engine.from_model_dir(TARGET, num_blocks=8).config.max_num_encoder_patches == 16_384  # tiny: 5,184 fit
+    engine = Engine.from_model_dir(TARGET, num_blocks=8, max_num_encoder_patches=20_000)
+    assert engine.config.max_num_encoder_patches == 20_000  # an explicit budget wins

@@ -38,6 +38,13 @@ from .sequence import Sequence, SequenceStatus
 __all__ = ["Engine", "EngineStats", "Request", "RequestOutput", "default_model_id"]
 
 
+def largest_image_patches(image_processor: Any) -> int:
+    """ViT patches of the largest image the processor emits (its max_pixels over the patch area)."""
+    size = getattr(image_processor, "size", None)
+    max_pixels = getattr(size, "longest_edge", None) or getattr(image_processor, "max_pixels", None) or 0
+    return int(max_pixels) // image_processor.patch_size ** 2
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_steps: int = 0
@@ -96,13 +103,17 @@ class Engine:
         model = load_model(model_dir, device, dtype)
         hidden = model.config.text_config.hidden_size
         config.setdefault("encoder_bytes_per_token", hidden * torch.finfo(dtype).bits // 8)
+        processor = load_processor(model_dir)
+        # the largest image the processor can produce must fit one step's encoder budget, or it is refused
+        config.setdefault("max_num_encoder_patches", max(EngineConfig().max_num_encoder_patches,
+                                                         largest_image_patches(processor.image_processor)))
         engine_config = EngineConfig(**config)
         if sized:
             num_blocks = kv_cache_num_blocks(model, device, engine_config.block_size, kv_cache_bytes,
                                              kv_cache_memory_fraction, max_model_len)
             engine_config = replace(engine_config, num_blocks=num_blocks)
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        return cls(model, load_processor(model_dir), engine_config, device=device,
+        return cls(model, processor, engine_config, device=device,
                    model_id=model_id or default_model_id(model_dir),
                    eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                    share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads)
