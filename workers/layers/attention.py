@@ -55,6 +55,7 @@ class AttentionMetadata:
     cu_query_lens: torch.Tensor  # [S + 1] int32, token offsets of each sequence in the flattened batch
     cu_context_lens: torch.Tensor  # [S + 1] int32
     block_size: int
+    torch_tiles: list[_Tile] | None = None  # the torch path's plan, built by the first layer and reused by the rest
 
     @property
     def max_query_len(self) -> int:
@@ -141,9 +142,42 @@ def _use_flash_paged(q: torch.Tensor, meta: AttentionMetadata) -> bool:
     )
 
 
+@dataclass(slots=True)
+class _Tile:
+    """Sequences of one query length that run as one padded, masked SDPA (the same in every layer of a step)."""
+
+    rows: torch.Tensor  # [B * Q] rows of their queries in the flattened batch
+    block_ids: torch.Tensor  # [B * nb] cache blocks to gather, nb blocks each (padding points at block 0, masked)
+    mask: torch.Tensor  # [B, 1, Q, nb * block_size]: query r of sequence b sees keys j <= ctx_b - Q + r
+    batch: int
+    q_len: int
+
+
 def _torch_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
+    if meta.torch_tiles is None:
+        token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # K and V of one cached token
+        meta.torch_tiles = _plan_tiles(meta, token_bytes, _gather_cap(q), q.device)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    out = torch.empty_like(q)
+    for t in meta.torch_tiles:
+        # index_select copies whole blocks (contiguous rows); much faster on CPU than advanced indexing
+        k = k_cache.index_select(0, t.block_ids).view(t.batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, t.block_ids).view(t.batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        qt = q.index_select(0, t.rows).view(t.batch, t.q_len, *q.shape[1:]).transpose(1, 2)  # [B, H, Q, D]
+        # enable_gqa: query head h reads KV head h // (H / Hkv) without repeating K/V
+        res = F.scaled_dot_product_attention(qt, k, v, attn_mask=t.mask, scale=scale,
+                                             enable_gqa=q.shape[1] != num_kv_heads)
+        out.index_copy_(0, t.rows, res.transpose(1, 2).flatten(0, 1))
+    return out
+
+
+def _gather_cap(q: torch.Tensor) -> int:
+    return _MAX_GATHER_BYTES.get(q.device.type, _MAX_GATHER_BYTES["cuda"])
+
+
+def _plan_tiles(meta: AttentionMetadata, token_bytes: int, cap: int, device: torch.device) -> list[_Tile]:
     # Sequences with the same query length run batched: all decodes (length 1) together, and prefill chunks of
     # equal length together. Grouping by length pads only the keys, never the queries, so a 512-token chunk
     # next to 31 decodes does not turn them into 32 x 512 query rows. Within a group, sequences sorted by
@@ -151,24 +185,21 @@ def _torch_paged_attention(
     groups: dict[int, list[int]] = {}
     for i, q_len in enumerate(meta.query_lens):
         groups.setdefault(q_len, []).append(i)
-    out = torch.empty_like(q)
     starts = [0, *itertools.accumulate(meta.query_lens)]
-    token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # K and V of one cached token
+    tiles = []
     for q_len, seqs in groups.items():
         by_length = sorted(seqs, key=meta.context_lens.__getitem__)
-        for part in _split_by_gather_size(by_length, meta.context_lens, token_bytes, _gather_cap(q)):
-            rows = (torch.tensor([starts[i] for i in part], device=q.device)[:, None]
-                    + torch.arange(q_len, device=q.device)).view(-1)  # [B * Q] rows of these sequences' queries
-            ctx = torch.tensor([meta.context_lens[i] for i in part], device=q.device)
-            tables = meta.block_tables[torch.tensor(part, device=q.device)]
-            res = _batched_attention(q[rows].view(len(part), q_len, *q.shape[1:]), k_cache, v_cache, tables, ctx,
-                                     scale)
-            out.index_copy_(0, rows, res.flatten(0, 1))
-    return out
-
-
-def _gather_cap(q: torch.Tensor) -> int:
-    return _MAX_GATHER_BYTES.get(q.device.type, _MAX_GATHER_BYTES["cuda"])
+        for part in _split_by_gather_size(by_length, meta.context_lens, token_bytes, cap):
+            arange_q = torch.arange(q_len, device=device)
+            rows = (torch.tensor([starts[i] for i in part], device=device)[:, None] + arange_q).view(-1)
+            ctx = torch.tensor([meta.context_lens[i] for i in part], device=device)
+            num_blocks = -(-int(ctx.max()) // meta.block_size)
+            block_ids = meta.block_tables[torch.tensor(part, device=device), :num_blocks].long().reshape(-1)
+            keys = torch.arange(num_blocks * meta.block_size, device=device)
+            last = (ctx - q_len)[:, None] + arange_q  # [B, Q] last visible key
+            mask = (keys[None, None, :] <= last[:, :, None])[:, None]
+            tiles.append(_Tile(rows, block_ids, mask, len(part), q_len))
+    return tiles
 
 
 def _split_by_gather_size(seqs: list[int], context_lens: list[int], token_bytes: int, cap: int) -> list[list[int]]:
@@ -184,36 +215,6 @@ def _split_by_gather_size(seqs: list[int], context_lens: list[int], token_bytes:
             parts.append([i])
             longest = context_lens[i]
     return parts
-
-
-def _batched_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """B sequences with Q new tokens each, over their paged contexts (padded to the longest, masked).
-
-    q: [B, Q, H, D], the last Q positions of each context; block_tables: [B, W] int32; context_lens: [B] int64
-    (each >= Q). Query r of sequence b sees keys j <= context_lens[b] - Q + r. Returns [B, Q, H, D].
-    """
-    batch, q_len, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-int(context_lens.max()) // block_size)
-    ids = block_tables[:, :num_blocks].long().reshape(-1)  # [B * nb]; padded entries point at block 0, masked
-    # index_select copies whole blocks (contiguous rows); much faster on CPU than advanced indexing
-    k = k_cache.index_select(0, ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache.index_select(0, ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    keys = torch.arange(k.shape[2], device=q.device)
-    last = (context_lens - q_len)[:, None] + torch.arange(q_len, device=q.device)  # [B, Q] last visible key
-    mask = keys[None, None, :] <= last[:, :, None]  # [B, Q, L]
-    # enable_gqa: query head h reads KV head h // (H / Hkv) without repeating K/V (about as fast as folding
-    # the G query heads of a KV head into its query rows, and simpler)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=num_heads != num_kv_heads)  # [B, H, Q, D]
-    return out.transpose(1, 2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
