@@ -165,6 +165,28 @@ def test_backend_serves_genrequests(model_dir, workload, reference):
     backend.close()
 
 
+def test_backend_recovers_from_a_failed_step(model_dir, workload, reference, monkeypatch):
+    # Fault injection (nothing real makes a model call raise on demand): the model runner fails once mid-batch.
+    # The backend must serve every job on a fresh engine, one by one, and keep serving afterwards.
+    backend = EngineBackend(str(model_dir), "cpu", num_blocks=512)
+    failed = []
+    real_execute = backend.engine.runner.execute
+
+    def execute_once_failing(out):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("injected runner failure")
+        return real_execute(out)
+
+    monkeypatch.setattr(backend.engine.runner, "execute", execute_once_failing)
+    old = backend.engine
+    (img0, q0), (img1, q1) = workload[:2]
+    a, b = backend.generate([GenRequest("a", img0, q0, MAX_NEW), GenRequest("b", img1, q1, MAX_NEW)])
+    assert failed and backend.engine is not old  # the failure happened and the engine was replaced
+    assert a.token_ids == reference[(id(img0), q0)] and b.token_ids == reference[(id(img1), q1)]
+    backend.close()
+
+
 def test_encoder_budget_fits_the_largest_image_the_processor_emits():
     from types import SimpleNamespace
 

@@ -22,7 +22,6 @@ class EngineBackend(Backend):
         if kv_tokens is not None and not sized:
             engine_config["num_blocks"] = num_blocks_for_tokens(kv_tokens, engine_config)
         self.engine = Engine.from_model_dir(model_dir, device, **engine_config)
-        self.num_preprocess_threads = int(engine_config.get("num_preprocess_threads", 1))
         self.cancel_poll_every = cancel_poll_every  # steps between polls of GenRequest.canceled
 
     def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
@@ -63,14 +62,7 @@ class EngineBackend(Backend):
         return [_gen_output(results[i]) for i in order]
 
     def _reset(self) -> None:
-        # Same weights and processor, new scheduler, caches and KV; the old KV is freed before the new one exists.
-        old = self.engine
-        old.close()
-        model, processor, config, device = old.runner.model, old.preprocessor.processor, old.config, old.runner.device
-        model_id, eos, share = old.preprocessor.model_id, old.eos_token_ids, old.preprocessor.share
-        del old, self.engine
-        self.engine = Engine(model, processor, config, device=device, model_id=model_id, eos_token_ids=eos,
-                             share_encoder_outputs=share, num_preprocess_threads=self.num_preprocess_threads)
+        self.engine = self.engine.fresh()
 
 
 def _gen_output(out: RequestOutput) -> GenOutput | Exception:

@@ -65,6 +65,8 @@ class Engine:
     def __init__(self, model, processor, config: EngineConfig, *, device: str | torch.device = "cpu",
                  model_id: str = "model", eos_token_ids: tuple[int, ...] = (), share_encoder_outputs: bool = True,
                  num_preprocess_threads: int = 1) -> None:
+        self._args = (model, processor, config, dict(device=device, model_id=model_id, eos_token_ids=eos_token_ids,
+                      share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads))
         self.config = config
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config, self.scheduler.encoder_cache, device)
@@ -146,6 +148,16 @@ class Engine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def fresh(self) -> Engine:
+        """Close this engine and return a new one on the same weights, with empty scheduler, caches and KV.
+
+        For recovery: a step whose model call raised leaves the scheduler mid-step. This engine's KV cache is
+        released before the new one is allocated."""
+        model, processor, config, kwargs = self._args
+        self.close()
+        del self.runner, self.scheduler
+        return Engine(model, processor, config, **kwargs)
 
     def step(self) -> list[RequestOutput]:
         """Admit preprocessed requests, run one scheduler step; returns requests finished since the last call."""
