@@ -58,18 +58,6 @@ class RowBuilder:
         target = self._ids(answer) + [self.im_end_id]
         return prompt + target, [IGNORE] * len(prompt) + target
 
-    def conversation(self, qa: list[tuple[str, str]], num_image_tokens: int) -> tuple[list[int], list[int]]:
-        """One multi-turn row: the image once, then every (question, answer) as a user/assistant turn.
-
-        The first turn is exactly `row`; later turns follow the chat template. Every answer is scored."""
-        ids, labels = self.row(*qa[0], num_image_tokens)
-        for question, answer in qa[1:]:
-            prompt = self._ids("\n<|im_start|>user\n" + question + self.suffix)
-            target = self._ids(answer) + [self.im_end_id]
-            ids = ids + prompt + target
-            labels = labels + [IGNORE] * len(prompt) + target
-        return ids, labels
-
     def text_only_row(self, question: str, answer: str) -> tuple[list[int], list[int]]:
         """Draft model rows: the same chat text with the image pads removed (vision_start/end kept)."""
         return self.row(question, answer, 0)
@@ -80,7 +68,7 @@ TRAIN_BANDS = (0.72, 0.94, 0.985)
 
 
 def make_group(builder: RowBuilder, rng: np.random.Generator, questions_per_image: int = 2,
-               max_side: int | None = None, turns: bool = False) -> Group:
+               max_side: int | None = None) -> Group:
     size = None
     if max_side is not None:
         size = tuple(int(v) for v in rng.integers(shapes.MIN_SIDE, max_side + 1, size=2))
@@ -101,12 +89,7 @@ def make_group(builder: RowBuilder, rng: np.random.Generator, questions_per_imag
             pair = shapes.pick_question(scene, rng, caption_prob=0.0)
             if pair not in qa:
                 qa.append(pair)
-    if turns:  # one conversation per image, in random order (the first turn is what inference sees)
-        qa = [qa[i] for i in rng.permutation(len(qa))]
-        rows = [builder.conversation(qa, n)]
-    else:
-        rows = [builder.row(q, a, n) for q, a in qa]
-    return Group(out["pixel_values"], grid, rows, qa, n, tokens, cells)
+    return Group(out["pixel_values"], grid, [builder.row(q, a, n) for q, a in qa], qa, n, tokens, cells)
 
 
 def _class_ids(shape: shapes.Shape) -> tuple[int, int]:
