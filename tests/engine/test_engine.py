@@ -187,14 +187,16 @@ def test_backend_recovers_from_a_failed_step(model_dir, workload, reference, mon
     backend.close()
 
 
-def test_encoder_budget_fits_the_largest_image_the_processor_emits():
-    from types import SimpleNamespace
+def test_encoder_budget_fits_the_largest_image_the_processor_emits(tmp_path):
+    import json
 
-    from vlmq.workers.engine.engine import largest_image_patches
-
-    # Qwen2-VL's default processor: max_pixels 12,845,056 with 14 px patches -> 65,536 patches in one image
-    qwen = SimpleNamespace(size=SimpleNamespace(longest_edge=12_845_056), patch_size=14)
-    assert largest_image_patches(qwen) == 65_536
-    assert Engine.from_model_dir(TARGET, num_blocks=8).config.max_num_encoder_patches == 16_384  # tiny: 5,184 fit
-    engine = Engine.from_model_dir(TARGET, num_blocks=8, max_num_encoder_patches=20_000)
-    assert engine.config.max_num_encoder_patches == 20_000  # an explicit budget wins
+    # the tiny model's processor allows 2048 x 2048 here: 21,399 patches in one image, over the 16,384 default
+    model_dir = Path(shutil.copytree(TARGET, tmp_path / "big-images"))
+    config_path = model_dir / "preprocessor_config.json"
+    config = json.loads(config_path.read_text())
+    config["size"]["longest_edge"] = 2048 * 2048
+    config_path.write_text(json.dumps(config))
+    assert Engine.from_model_dir(model_dir, num_blocks=8).config.max_num_encoder_patches == 2048 * 2048 // 14**2
+    assert Engine.from_model_dir(TARGET, num_blocks=8).config.max_num_encoder_patches == 16_384  # default kept
+    engine = Engine.from_model_dir(model_dir, num_blocks=8, max_num_encoder_patches=30_000)
+    assert engine.config.max_num_encoder_patches == 30_000  # an explicit budget wins
