@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from vlmq.workers.layers import attention
+from vlmq.workers.layers import paged_torch
 from vlmq.workers.layers.attention import AttentionMetadata, paged_attention
 
 D = 16
@@ -61,13 +61,13 @@ def test_paged_attention_matches_dense_reference(heads, block_size):
 @pytest.mark.parametrize("cap_tokens", [0, 60, 150])
 def test_batches_split_under_the_gather_cap_give_the_same_result(monkeypatch, cap_tokens):
     # cap 0: every sequence alone; otherwise runs of sequences whose padded contexts fit the cap
-    monkeypatch.setitem(attention._MAX_GATHER_BYTES, "cpu", cap_tokens * 2 * 2 * D * 4)  # K and V, 2 KV heads, fp32
+    monkeypatch.setitem(paged_torch._MAX_GATHER_BYTES, "cpu", cap_tokens * 2 * 2 * D * 4)  # K and V, 2 KV heads, fp32
     rnd = random.Random(cap_tokens)
     run_step(rnd, [1] * 9, 4, (4, 2))
     run_step(rnd, [1, 3, 1, 1, 3, 7, 1, 3, 1], 4, (4, 2))
 
 
 def test_gather_cap_splits_runs_by_padded_size():
-    split = attention._split_by_gather_size
+    split = paged_torch._split_by_gather_size
     assert split([0, 1, 2, 3], [10, 5, 30, 40], 1, cap=30) == [[0, 1], [2], [3]]  # 2 x 10 fits, 3 x 30 does not
     assert split([3, 1, 0], [10, 5, 8, 12], 1, cap=30) == [[3, 1], [0]]
