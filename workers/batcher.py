@@ -1,7 +1,9 @@
 """Gathers the jobs a worker holds into batches for its backend.
 
 Celery runs each job in a thread of the worker's pool; each thread hands its
-request here and waits. One model thread serves whatever is pending together.
+request here and waits. One model thread serves whatever is pending together:
+a streaming backend (the engine) takes each job as it arrives, between steps,
+up to ``max_batch`` at once; any other backend gets whole batches.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
+from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, StreamingBackend
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,8 @@ class Batcher:
         self._inflight: list[Future[GenOutput]] = []
         self._cond = threading.Condition()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="vlmq-model", daemon=True)
+        loop = self._stream if isinstance(backend, StreamingBackend) else self._loop
+        self._thread = threading.Thread(target=loop, name="vlmq-model", daemon=True)
         self._thread.start()
 
     def submit(self, request: GenRequest) -> Future[GenOutput]:
@@ -75,9 +78,46 @@ class Batcher:
                 log.exception("backend failed on a batch of %d", len(batch))
                 results = [e] * len(batch)
             for (_, future), result in zip(batch, results, strict=True):
-                if future.done():  # handed back during the batch
-                    continue
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+                _resolve(future, result)
+
+    def _stream(self) -> None:
+        backend = self.backend
+        assert isinstance(backend, StreamingBackend)
+        live: dict[str, Future[GenOutput]] = {}
+        while True:
+            with self._cond:
+                while not self._pending and not live and not self._stopped:
+                    self._cond.wait(timeout=1.0)
+                if self._stopped:
+                    return
+            if not live:  # idle: a short wait lets jobs reserved together start together
+                time.sleep(self.linger_s)
+            with self._cond:
+                room = max(0, self.max_batch - len(live))
+                joining, self._pending = self._pending[:room], self._pending[room:]
+            for request, future in joining:
+                try:
+                    live[backend.start(request)] = future
+                except Exception as e:
+                    log.exception("job %s could not start", request.job_id)
+                    _resolve(future, e)
+            with self._cond:
+                self._inflight = list(live.values())
+            try:
+                finished = backend.step()
+            except Exception as e:  # the backend broke as a whole: every running job sees it
+                log.exception("backend step failed with %d jobs running", len(live))
+                finished = [(handle, e) for handle in live]
+            for handle, result in finished:
+                future = live.pop(handle, None)
+                if future is not None:
+                    _resolve(future, result)
+
+
+def _resolve(future: Future[GenOutput], result: GenOutput | Exception) -> None:
+    if future.done():  # handed back meanwhile
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -2,10 +2,12 @@
 
 In process, without the queue: the same batch gives the same greedy tokens, usage and finish reasons
 on both; max_new_tokens and ignore_eos hold per request; a canceled request stops early while the
-rest of its batch finishes; a request the engine cannot hold fails in its own slot.
+rest of its batch finishes; a request the engine cannot hold fails in its own slot; through the
+worker's batcher, a job joins the engine's running batch and can finish before it.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from vlmq.errors import InvalidRequest
 from vlmq.images import decode
 from vlmq.settings import BACKENDS
 from vlmq.workers.backends import Backend, GenOutput, GenRequest, load_backend
+from vlmq.workers.batcher import Batcher
 from vlmq.workers.main import ASSETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -71,3 +74,23 @@ def test_a_request_over_the_engines_kv_capacity_fails_alone(loaded: dict[str, Ba
     too_long, fine = engine.generate(batch)
     assert isinstance(too_long, InvalidRequest) and too_long.code == "exceeds_kv_capacity"
     assert isinstance(fine, GenOutput) and len(fine.token_ids) == 8
+
+
+def test_a_job_joins_the_running_batch_and_leaves_before_it(loaded: dict[str, Backend]) -> None:
+    backend = loaded["engine"]
+    samples = [(decode(data), prompt) for data, _, prompt, _ in load_samples()]
+    alone = backend.generate([GenRequest("alone", *samples[0], max_new_tokens=150, ignore_eos=True)])[0]
+    batcher = Batcher(backend, max_batch=8)
+    try:
+        long = batcher.submit(GenRequest("long", *samples[0], max_new_tokens=150, ignore_eos=True))
+        stats = backend.engine.stats  # type: ignore[attr-defined]
+        started = stats.num_steps
+        while stats.num_steps < started + 10:  # the long job is decoding
+            time.sleep(0.002)
+        short = batcher.submit(GenRequest("short", *samples[1], max_new_tokens=5, ignore_eos=True))
+        assert isinstance(short.result(timeout=120), GenOutput)
+        assert not long.done()  # the short job did not wait for the running batch to end
+        out = long.result(timeout=300)
+        assert out.token_ids == alone.token_ids  # and joining did not change the long job's tokens
+    finally:
+        batcher.hand_back_all("test over")

@@ -37,6 +37,33 @@ class Backend(ABC):
         """Serve a batch; a failure of one request is returned in its slot, not raised."""
 
 
+class StreamingBackend(Backend):
+    """A backend requests can join while others run (continuous batching): the worker's batcher starts each
+    job as it arrives and steps the backend, instead of handing it whole batches."""
+
+    @abstractmethod
+    def start(self, request: GenRequest) -> str:
+        """Add a request; returns its handle. Its result comes out of a later `step()`."""
+
+    @abstractmethod
+    def step(self) -> list[tuple[str, GenOutput | Exception]]:
+        """Advance every started request one step; returns (handle, result) of those that finished.
+
+        A failure of one request is returned in its slot, not raised."""
+
+    @property
+    @abstractmethod
+    def busy(self) -> bool:
+        """Whether started requests have not finished yet."""
+
+    def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
+        handles = [self.start(r) for r in requests]
+        results: dict[str, GenOutput | Exception] = {}
+        while len(results) < len(handles):
+            results.update(self.step())
+        return [results[h] for h in handles]
+
+
 def is_canceled(request: GenRequest) -> bool:
     """Poll a request's cancel flag; a failing check (Redis restarting) counts as not canceled, for now."""
     if request.canceled is None:

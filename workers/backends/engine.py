@@ -1,17 +1,19 @@
-"""The vlmq engine as a worker backend (the default; ``--backend engine``): continuous batching, paged KV, caches."""
+"""The vlmq engine as a worker backend (the default; ``--backend engine``): continuous batching, paged KV, caches.
+
+Jobs join the running engine between steps (`start`/`step`); `generate` runs a batch to completion."""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, is_canceled
+from vlmq.workers.backends.base import GenOutput, GenRequest, StreamingBackend, is_canceled
 from vlmq.workers.engine.config import EngineConfig
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
 
 log = logging.getLogger(__name__)
 
 
-class EngineBackend(Backend):
+class EngineBackend(StreamingBackend):
     def __init__(self, model_dir: str, device: str = "cpu", *, kv_tokens: int | None = None,
                  cancel_poll_every: int = 8, **engine_config: Any) -> None:
         """`kv_tokens`: tokens the KV cache must hold at once (the worker's budget), so that no job the worker
@@ -23,46 +25,54 @@ class EngineBackend(Backend):
             engine_config["num_blocks"] = num_blocks_for_tokens(kv_tokens, engine_config)
         self.engine = Engine.from_model_dir(model_dir, device, **engine_config)
         self.cancel_poll_every = cancel_poll_every  # steps between polls of GenRequest.canceled
+        self._live: dict[str, GenRequest] = {}  # started, not finished (by engine request id)
+        self._aborted: set[str] = set()
+        self._num_steps = 0
 
-    def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
+    def start(self, request: GenRequest) -> str:
+        handle = self.engine.add_request(Request(request.image, request.prompt, request.max_new_tokens,
+                                                 request.ignore_eos))
+        self._live[handle] = request
+        return handle
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[tuple[str, GenOutput | Exception]]:
+        if self._num_steps % self.cancel_poll_every == 0:
+            for handle in [h for h, r in self._live.items() if h not in self._aborted and is_canceled(r)]:
+                self.engine.abort(handle)  # its output (tokens so far, "canceled") comes from the next step
+                self._aborted.add(handle)
+        self._num_steps += 1
         try:
-            return self._run(requests)
+            outputs = self.engine.step()
         except Exception:  # a failed step leaves the engine mid-step: start a fresh one, then isolate the culprit
-            log.exception("engine failed on a batch of %d; retrying one by one on a fresh engine", len(requests))
+            live, self._live = self._live, {}
+            log.exception("engine step failed with %d requests in it; retrying them one by one on a fresh engine",
+                          len(live))
             self._reset()
-            return [self._one(r) for r in requests]
+            return [(handle, self._one(request)) for handle, request in live.items()]
+        done = [(o.request_id, _gen_output(o)) for o in outputs if self._live.pop(o.request_id, None) is not None]
+        self._aborted.difference_update(h for h, _ in done)
+        return done
 
     def close(self) -> None:
         self.engine.close()
 
     def _one(self, request: GenRequest) -> GenOutput | Exception:
         try:
-            return self._run([request])[0]
+            out = self.engine.generate([Request(request.image, request.prompt, request.max_new_tokens,
+                                                request.ignore_eos)])[0]
+            return _gen_output(out)
         except Exception as e:  # returned in its slot; the worker fails this job alone
             log.exception("job %s failed alone on the engine", request.job_id)
             self._reset()
             return e
 
-    def _run(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
-        engine = self.engine
-        order = [engine.add_request(Request(r.image, r.prompt, r.max_new_tokens, r.ignore_eos)) for r in requests]
-        pending = dict(zip(order, requests, strict=True))  # not finished yet
-        aborted: set[str] = set()
-        results: dict[str, RequestOutput] = {}
-        num_steps = 0
-        while pending:
-            if num_steps % self.cancel_poll_every == 0:
-                for request_id in [i for i, r in pending.items() if i not in aborted and is_canceled(r)]:
-                    engine.abort(request_id)  # its output (tokens so far, "canceled") comes from the next step
-                    aborted.add(request_id)
-            for out in engine.step():
-                if pending.pop(out.request_id, None) is not None:
-                    results[out.request_id] = out
-            num_steps += 1
-        return [_gen_output(results[i]) for i in order]
-
     def _reset(self) -> None:
         self.engine = self.engine.fresh()
+        self._aborted.clear()
 
 
 def _gen_output(out: RequestOutput) -> GenOutput | Exception:
