@@ -31,6 +31,9 @@ from PIL import Image
 
 from vlmq.cost import ResolutionPolicy, smart_resize
 
+from . import resample
+
+NATIVE = resample.AVAILABLE  # the path ImagePreprocessor takes by default: C resampler (True) or PIL's resize
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # transformers' OPENAI_CLIP_MEAN / _STD, the class defaults
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -43,11 +46,14 @@ class ImagePreprocessor:
     image_mean: tuple[float, float, float] = CLIP_MEAN
     image_std: tuple[float, float, float] = CLIP_STD
     rescale_factor: float = 1 / 255
+    native: bool = NATIVE  # resize, lookup and patchify in one C pass; False: PIL's resize, then numpy
     _table: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.image_mean) != 3 or len(self.image_std) != 3:
             raise ValueError("image_mean and image_std need one value per RGB channel")
+        if self.native and not resample.AVAILABLE:
+            raise ValueError(f"the C resampler is unavailable ({resample.REASON}); pass native=False")
         object.__setattr__(self, "_table", _value_table(self.rescale_factor, self.image_mean, self.image_std))
 
     @classmethod
@@ -79,13 +85,13 @@ class ImagePreprocessor:
 
         Every image is checked before any work starts. With an executor, images are processed in parallel, each
         writing its own rows of one output buffer (no concatenation copy)."""
-        pils = [_as_rgb_pil(image) for image in images]
-        sizes = [smart_resize(pil.height, pil.width, self.policy) for pil in pils]
+        checked = [_checked_rgb(image) for image in images]
+        sizes = [smart_resize(*_height_width(image), self.policy) for image in checked]
         p = self.policy.patch_size
         grid = torch.tensor([(1, h // p, w // p) for h, w in sizes], dtype=torch.int64).view(-1, 3)
         ends = np.cumsum([0] + [h * w // (p * p) for h, w in sizes]).tolist()
         out = np.empty((ends[-1], self.patch_dim), dtype=np.float32)
-        jobs = list(zip(pils, sizes, [out[a:b] for a, b in pairwise(ends)], strict=True))
+        jobs = list(zip(checked, sizes, [out[a:b] for a, b in pairwise(ends)], strict=True))
         if executor is None:
             for job in jobs:
                 self._fill(job)
@@ -93,17 +99,25 @@ class ImagePreprocessor:
             list(executor.map(self._fill, jobs))  # list() waits for all and re-raises the first error
         return torch.from_numpy(out), grid
 
-    def _fill(self, job: tuple[Image.Image, tuple[int, int], np.ndarray]) -> None:
-        pil, size, rows = job
-        self.to_patches(self.resize(pil, size), out=rows)
+    def _fill(self, job: tuple[Image.Image | np.ndarray, tuple[int, int], np.ndarray]) -> None:
+        image, size, rows = job
+        if self.native:  # one C pass, GIL released: resize, table lookup, patch order
+            p = self.policy
+            resample.resize_patches(np.asarray(image), size, self._table, rows, p.patch_size, p.merge_size,
+                                    p.temporal_patch_size)  # fmt: skip
+        else:
+            self.to_patches(self.resize(image, size), out=rows)
 
     def resize(self, image: Image.Image | np.ndarray, size: tuple[int, int] | None = None) -> np.ndarray:
         """The reference's resize: PIL bicubic to (height, width), by default smart_resize's. -> uint8 [h, w, 3]."""
-        pil = _as_rgb_pil(image)
-        height, width = size or smart_resize(pil.height, pil.width, self.policy)
-        if (height, width) != (pil.height, pil.width):  # PIL would return a copy; the reference resizes anyway
-            pil = pil.resize((width, height), resample=Image.Resampling.BICUBIC)
-        return np.asarray(pil)
+        image = _checked_rgb(image)
+        height, width = size or smart_resize(*_height_width(image), self.policy)
+        if (height, width) == _height_width(image):  # PIL would return a copy; the reference resizes anyway
+            return np.asarray(image)
+        if self.native:
+            return resample.resize(np.asarray(image), (height, width))
+        pil = image if isinstance(image, Image.Image) else Image.fromarray(image)
+        return np.asarray(pil.resize((width, height), resample=Image.Resampling.BICUBIC))
 
     def to_patches(self, rgb: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 [h, w, 3] (sides multiples of patch*merge) -> float32 [gh*gw, 3*Tp*p*p] (written into `out` if
@@ -157,11 +171,14 @@ def _value_table(scale: float, mean: Sequence[float], std: Sequence[float]) -> n
     return np.ascontiguousarray(table)  # [3, 256]
 
 
-def _as_rgb_pil(image: Image.Image | np.ndarray) -> Image.Image:
+def _checked_rgb(image: Image.Image | np.ndarray) -> Image.Image | np.ndarray:
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
             raise ValueError(f"expected a uint8 [H, W, 3] RGB array, got {image.dtype} {image.shape}")
-        return Image.fromarray(image)
-    if image.mode != "RGB":
+    elif image.mode != "RGB":
         raise ValueError(f"expected an RGB image, got mode {image.mode!r}; canonicalise with vlmq.images.decode")
     return image
+
+
+def _height_width(image: Image.Image | np.ndarray) -> tuple[int, int]:
+    return (image.height, image.width) if isinstance(image, Image.Image) else image.shape[:2]
