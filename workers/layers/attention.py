@@ -6,11 +6,11 @@ Two entry points, both on flattened (packed) tokens:
 - `paged_attention`: the LM path. Writes this step's K/V into the paged cache by `slot_mapping`, then each
   sequence's queries attend over its cached context, causally within the step's chunk.
 
-The CPU path is plain torch: the sequences of a step that have the same query length (all decodes, say) gather
-their blocks into one padded batch and run one masked SDPA. On CUDA: `vlmq.kernels` stores K/V by slot and runs
-decode-only steps (paged split-KV decode); other steps use flash-attn's paged varlen kernel when it is installed
-and the block size allows, else the same torch path. Shared-prefix (cascade) attention and
-LSE merging from `vlmq.kernels` plug in here too, without touching the model code.
+The CPU path is plain torch (`paged_torch`): the sequences of a step that have the same query length (all
+decodes, say) gather their blocks into one padded batch and run one masked SDPA, and sequences that share leading
+cache blocks attend to those once (cascade), merged by log-sum-exp. On CUDA: `vlmq.kernels` stores K/V by slot and
+runs decode-only steps (paged split-KV decode); other steps use flash-attn's paged varlen kernel when it is
+installed and the block size allows, else the same torch path without the cascade.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlmq.workers.layers.paged_torch import _Tile, torch_paged_attention
+from vlmq.workers.layers.paged_torch import TorchPlan, torch_paged_attention
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_varlen_func as _flash_varlen_func
@@ -48,7 +48,7 @@ class AttentionMetadata:
     cu_query_lens: torch.Tensor  # [S + 1] int32, token offsets of each sequence in the flattened batch
     cu_context_lens: torch.Tensor  # [S + 1] int32
     block_size: int
-    torch_tiles: list[_Tile] | None = None  # the torch path's plan, built by the first layer and reused by the rest
+    torch_plan: TorchPlan | None = None  # the torch path's plan, built by the first layer and reused by the rest
 
     @property
     def max_query_len(self) -> int:
