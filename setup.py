@@ -31,7 +31,8 @@ setup(
     ext_modules=[
         Extension(
             "vlmq.workers.engine._resample",
-            sources=["workers/engine/_resample.c"],
+            sources=["workers/engine/_resample.c", "workers/engine/_resample_avx2.c"],
+            depends=["workers/engine/_resample.h"],
             # portable: no -march (installs move between machines; AVX2 copies of the hot loops are picked at
             # run time); -fno-wrapv undoes the -fwrapv in CPython's CFLAGS, which stops GCC vectorising the int
             # loops; no FMA contraction, so the filter weights round as Pillow's do

@@ -21,29 +21,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PRECISION_BITS (32 - 8 - 2)
-#define HALF (1 << (PRECISION_BITS - 1))
-#define ROWS 16          /* rows per horizontal block */
-#define LANES (3 * ROWS) /* (row, channel) lanes of a transposed block */
-#define STRIDE 64        /* bytes per pixel column of a transposed block: the lanes, then padding */
-#define RUN 32           /* bytes of a row per vertical run (its accumulators stay in registers) */
+#include "_resample.h"
 
-/* Run time dispatch to an AVX2 copy of the hot loops where the toolchain offers it; the build itself
-   stays portable (no -march). */
-#if defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define HOT __attribute__((target_clones("avx2", "default")))
+#define TILE 128 /* pixels per transposed tile */
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)0)
 #endif
-#endif
-#ifndef HOT
-#define HOT
+#ifdef __SSE2__
+#include <emmintrin.h>
 #endif
 
-typedef struct {
-    int ksize;  /* taps per output sample: the widest span */
-    int *start; /* [n] first input sample read; start + ksize <= input size */
-    int32_t *k; /* [n, ksize] fixed-point weights, zero outside the sample's span */
-} Taps;
+static int avx2; /* use the AVX2 kernels (set at import where the CPU has AVX2) */
 
 typedef struct {
     const float *table; /* [3, 256] value of each (channel, byte) */
@@ -130,7 +120,7 @@ static int make_taps(int in_size, int out_size, Taps *t) {
 
 /* nrows (<= ROWS) transposed rows [in_w, STRIDE] -> dst[r][3 * out_w] (rows padded by one byte: each pixel is
    stored as 4 bytes, the spare one overwritten by the next pixel) */
-HOT static void horizontal(const uint8_t *block, const Taps *t, int out_w, uint8_t *const *dst, int nrows) {
+static void horizontal(const uint8_t *block, const Taps *t, int out_w, uint8_t *const *dst, int nrows) {
     for (int x = 0; x < out_w; x++) {
         const uint8_t *col = block + (size_t)t->start[x] * STRIDE;
         const int32_t *k = t->k + (size_t)x * t->ksize;
@@ -147,14 +137,19 @@ HOT static void horizontal(const uint8_t *block, const Taps *t, int out_w, uint8
     }
 }
 
-/* rows[r][3 * width] -> block[x * STRIDE + 3 * r + c], a pixel per 4-byte copy (the spare byte lands in the next
-   row's lane, written after, or in the padding); the last pixel of a row is copied as 3 bytes */
+/* rows[r][3 * width] -> block[x * STRIDE + 3 * r + c], TILE pixels of every row at a time so the block's tile
+   stays in L1, the next tile of each row prefetched (ROWS short reads from memory otherwise wait on it, and this
+   copy was as slow as the horizontal pass); a pixel per 4-byte copy (the spare byte lands in the next row's lane, written after, or in the
+   padding); the last pixel of a row is copied as 3 bytes */
 static void transpose(const uint8_t *const *rows, int width, int nrows, uint8_t *block) {
-    for (int r = 0; r < nrows; r++) {
-        uint8_t *d = block + 3 * r;
-        for (int x = 0; x < width - 1; x++) memcpy(d + (size_t)x * STRIDE, rows[r] + 3 * x, 4);
-        memcpy(d + (size_t)(width - 1) * STRIDE, rows[r] + 3 * (width - 1), 3);
+    for (int x0 = 0; x0 < width - 1; x0 += TILE) {
+        int x1 = x0 + TILE < width - 1 ? x0 + TILE : width - 1;
+        for (int r = 0; r < nrows; r++) {
+            for (int b = 3 * x1; b < 3 * (x1 + TILE) && b < 3 * width; b += 64) PREFETCH(rows[r] + b); /* next tile */
+            for (int x = x0; x < x1; x++) memcpy(block + (size_t)x * STRIDE + 3 * r, rows[r] + 3 * x, 4);
+        }
     }
+    for (int r = 0; r < nrows; r++) memcpy(block + (size_t)(width - 1) * STRIDE + 3 * r, rows[r] + 3 * (width - 1), 3);
 }
 
 /* bytes [j0, j0 + len) of the vertical pass; with len = RUN the accumulators stay in registers */
@@ -172,17 +167,49 @@ static inline void vertical_run(const uint8_t *const *rows, const int32_t *k, in
 }
 
 /* ksize rows -> one row of n bytes; a short tail is redone as the last full run (same values) */
-HOT static void vertical(const uint8_t *const *rows, const int32_t *k, int ksize, int n, uint8_t *out) {
+static void vertical(const uint8_t *const *rows, const int32_t *k, int ksize, int n, uint8_t *out) {
     if (n < RUN) vertical_run(rows, k, ksize, 0, n, out);
     for (int j0 = 0; n >= RUN && j0 < n; j0 += RUN)
         vertical_run(rows, k, ksize, j0 + RUN <= n ? j0 : n - RUN, RUN, out);
+}
+
+static void horizontal_any(const uint8_t *block, const Taps *t, int out_w, uint8_t *const *dst, int nrows) {
+#ifdef HAVE_AVX2_KERNELS
+    if (avx2) {
+        horizontal_avx2(block, t, out_w, dst, nrows);
+        return;
+    }
+#endif
+    horizontal(block, t, out_w, dst, nrows);
+}
+
+static void vertical_any(const uint8_t *const *rows, const int32_t *k, int ksize, int n, uint8_t *out) {
+#ifdef HAVE_AVX2_KERNELS
+    if (avx2 && n >= RUN) {
+        vertical_avx2(rows, k, ksize, n, out);
+        return;
+    }
+#endif
+    vertical(rows, k, ksize, n, out);
+}
+
+/* n floats to dst past the caches where SSE2 allows (n % 4 == 0, dst 16-byte aligned): the output is far
+   larger than the caches and is not read back here, so this saves reading each line in before writing it */
+static void stream_floats(float *dst, const float *src, size_t n) {
+#ifdef __SSE2__
+    if ((uintptr_t)dst % 16 == 0 && n % 4 == 0) {
+        for (size_t i = 0; i < n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+        return;
+    }
+#endif
+    memcpy(dst, src, sizeof(float) * n);
 }
 
 /* A band of p*m RGB rows (row r at band + r * out_row) -> its patch rows, written in memory order.
    Band bi holds the patch rows from bi * (gw/m) * m*m on: merge blocks left to right, inside one the patches
    row-major; each patch row is, for every channel c and frame t, the p*p values of the patch, every frame the
    same. */
-HOT static void patch_band(const Patches *pt, int bi, const uint8_t *band, size_t out_row) {
+static void patch_band(const Patches *pt, int bi, const uint8_t *band, size_t out_row, float *values) {
     int p = pt->p, m = pt->m, blocks = pt->width / (p * m);
     size_t pp = (size_t)p * p;
     float *d = pt->out + (size_t)bi * blocks * m * m * 3 * pt->tp * pp;
@@ -190,11 +217,11 @@ HOT static void patch_band(const Patches *pt, int bi, const uint8_t *band, size_
         for (int mi = 0; mi < m; mi++)
             for (int mj = 0; mj < m; mj++) {
                 const uint8_t *patch = band + mi * p * out_row + 3 * (size_t)(bj * m + mj) * p;
-                for (int c = 0; c < 3; c++, d += pt->tp * pp) {
+                for (int c = 0; c < 3; c++) {
                     const float *table = pt->table + 256 * c;
                     for (int i = 0; i < p; i++)
-                        for (int j = 0; j < p; j++) d[i * p + j] = table[patch[i * out_row + 3 * j + c]];
-                    for (int t = 1; t < pt->tp; t++) memcpy(d + t * pp, d, sizeof(float) * pp);
+                        for (int j = 0; j < p; j++) values[i * p + j] = table[patch[i * out_row + 3 * j + c]];
+                    for (int t = 0; t < pt->tp; t++, d += pp) stream_floats(d, values, pp);
                 }
             }
 }
@@ -206,6 +233,7 @@ typedef struct {
     uint8_t *rows;                  /* buffered rows: the ring (horizontal first) or one block (vertical first) */
     int ring_rows;
     uint8_t *block, *line, *band, *dst[ROWS]; /* band: p*m output rows, for patches */
+    float *values;                            /* one patch's p*p values of one channel */
     const uint8_t **taps, *src[ROWS];
 } Work;
 
@@ -216,6 +244,7 @@ static void free_work(Work *w) {
     free(w->block);
     free(w->line);
     free(w->band);
+    free(w->values);
     free(w->taps);
 }
 
@@ -236,7 +265,10 @@ static int alloc_work(const Job *job, Work *w) {
     w->line = malloc((w->vertical_first ? ROWS : 1) * (w->in_row > w->out_row ? w->in_row : w->out_row));
     w->taps = malloc(sizeof(uint8_t *) * (w->need_v ? w->v.ksize : 1));
     w->band = job->rgb ? NULL : malloc(w->out_row * job->patches.p * job->patches.m);
-    return (w->need_h && !(w->rows && w->block)) || !(w->line && w->taps) || !(job->rgb || w->band) ? -1 : 0;
+    w->values = job->rgb ? NULL : malloc(sizeof(float) * job->patches.p * job->patches.p);
+    return (w->need_h && !(w->rows && w->block)) || !(w->line && w->taps) || !(job->rgb || (w->band && w->values))
+               ? -1
+               : 0;
 }
 
 /* output row y -> the RGB output, or the band; a full band -> patch rows */
@@ -247,7 +279,7 @@ static void emit(const Job *job, const Work *w, int y, const uint8_t *row) {
         return;
     }
     memcpy(w->band + w->out_row * (y % rows), row, w->out_row);
-    if (y % rows == rows - 1) patch_band(&job->patches, y / rows, w->band, w->out_row);
+    if (y % rows == rows - 1) patch_band(&job->patches, y / rows, w->band, w->out_row, w->values);
 }
 
 /* vertical taps of output row y, read from the input or from the ring of horizontal rows */
@@ -267,7 +299,7 @@ static void fill_ring(const Job *job, Work *w, int *done, int upto) {
             w->dst[r] = w->rows + w->pitch * ((*done + r) % w->ring_rows);
         }
         transpose(w->src, job->in_w, nrows, w->block);
-        horizontal(w->block, &w->h, job->out_w, w->dst, nrows);
+        horizontal_any(w->block, &w->h, job->out_w, w->dst, nrows);
         *done += nrows;
     }
 }
@@ -282,7 +314,7 @@ static void horizontal_first(const Job *job, Work *w) {
             fill_ring(job, w, &done, lo + ksize);
         }
         point_taps(job, w, y, w->need_h);
-        if (w->need_v) vertical(w->taps, w->v.k + (size_t)ksize * y, ksize, (int)w->out_row, w->line);
+        if (w->need_v) vertical_any(w->taps, w->v.k + (size_t)ksize * y, ksize, (int)w->out_row, w->line);
         emit(job, w, y, w->need_v ? w->line : w->taps[0]);
     }
 }
@@ -295,10 +327,10 @@ static void vertical_first(const Job *job, Work *w) {
             int ksize = point_taps(job, w, y0 + r, 0);
             w->src[r] = w->line + w->in_row * r;
             w->dst[r] = w->rows + w->pitch * r;
-            vertical(w->taps, w->v.k + (size_t)ksize * (y0 + r), ksize, (int)w->in_row, (uint8_t *)w->src[r]);
+            vertical_any(w->taps, w->v.k + (size_t)ksize * (y0 + r), ksize, (int)w->in_row, (uint8_t *)w->src[r]);
         }
         transpose(w->src, job->in_w, nrows, w->block);
-        horizontal(w->block, &w->h, job->out_w, w->dst, nrows);
+        horizontal_any(w->block, &w->h, job->out_w, w->dst, nrows);
         for (int r = 0; r < nrows; r++) emit(job, w, y0 + r, w->dst[r]);
     }
 }
@@ -311,7 +343,19 @@ static int run(const Job *job) {
     else if (!err)
         horizontal_first(job, &w);
     free_work(&w);
+#ifdef __SSE2__
+    _mm_sfence(); /* the streamed stores are visible before the caller reads the output */
+#endif
     return err;
+}
+
+static int cpu_has_avx2(void) {
+#ifdef HAVE_AVX2_KERNELS
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
 }
 
 static PyObject *run_released(const Job *job) {
@@ -380,7 +424,21 @@ static PyObject *resize_patches(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *kernels(PyObject *self, PyObject *args) {
+    const char *name = NULL;
+    if (!PyArg_ParseTuple(args, "|s", &name)) return NULL;
+    if (name && strcmp(name, "portable") == 0)
+        avx2 = 0;
+    else if (name && strcmp(name, "avx2") == 0 && check(cpu_has_avx2(), "this build or CPU has no AVX2 kernels"))
+        avx2 = 1;
+    else if (name && !PyErr_Occurred())
+        return PyErr_Format(PyExc_ValueError, "kernels are 'avx2' or 'portable', not %R", PyTuple_GET_ITEM(args, 0));
+    return PyErr_Occurred() ? NULL : PyUnicode_FromString(avx2 ? "avx2" : "portable");
+}
+
 static PyMethodDef methods[] = {
+    {"kernels", kernels, METH_VARARGS,
+     "kernels([name]): the kernels in use, 'avx2' or 'portable'; with a name, switch to them (for tests)."},
     {"resize_rgb", resize_rgb, METH_VARARGS,
      "resize_rgb(src, in_h, in_w, (out_h, out_w), order, out): Pillow's bicubic resize of packed RGB bytes into out."},
     {"resize_patches", resize_patches, METH_VARARGS,
@@ -391,4 +449,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_resample", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__resample(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__resample(void) {
+    avx2 = cpu_has_avx2();
+    return PyModule_Create(&module);
+}

@@ -52,6 +52,12 @@ def resize_patches(
     _resample.resize_patches(src, src.shape[0], src.shape[1], size, ORDER, table, out, patch, merge, temporal)
 
 
+def kernels(name: str | None = None) -> str:
+    """The kernels of the two passes in use, "avx2" (x86-64 CPUs that have it) or "portable" (plain C); with a
+    name, switch every caller to them (the tests run both)."""
+    return _resample.kernels() if name is None else _resample.kernels(name)
+
+
 def _pillow_order() -> int | None:
     rng = np.random.default_rng(0)
     cases = [(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), (oh, ow)) for (w, h), (ow, oh) in _PROBES]
