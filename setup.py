@@ -31,7 +31,7 @@ setup(
     ext_modules=[
         Extension(
             "vlmq.workers.engine._resample",
-            sources=["workers/engine/_resample.c", "workers/engine/_resample_avx2.c"],
+            sources=[f"workers/engine/_resample{part}.c" for part in ("", "_kernels", "_avx2")],
             depends=["workers/engine/_resample.h"],
             # portable: no -march (installs move between machines; AVX2 copies of the hot loops are picked at
             # run time); -fno-wrapv undoes the -fwrapv in CPython's CFLAGS, which stops GCC vectorising the int

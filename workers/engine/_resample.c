@@ -1,34 +1,27 @@
-/* Pillow's bicubic resize of packed RGB images, bit for bit, fused with Qwen2-VL's normalise + patchify.
+/* Pillow's bicubic resize of packed RGB images, bit for bit, fused with Qwen2-VL's normalise + patchify: the
+ * module vlmq.workers.engine._resample (validation, passes, output; the kernels are in _resample_kernels.c and
+ * _resample_avx2.c).
  *
- * The arithmetic is Pillow's (libImaging/Resample.c, unchanged since Pillow 4): for each output sample,
- * weights w = cubic((x - center + 0.5) / filterscale) over the input samples whose centres lie within
- * support = 2 * filterscale of the output's centre (filterscale = max(1, in/out): the kernel widens when
- * shrinking), divided by their sum, then rounded to fixed point with 22 fraction bits. A pass computes
- * (1 << 21) + sum(v * w) in int32 and clips (s >> 22) to 0..255. The horizontal pass runs first, on the
- * input rows the vertical pass reads, into 8-bit rows; a pass whose side keeps its size is skipped.
+ * Like Pillow, a pass whose side keeps its size is skipped, and each pass rounds to 8 bits. Pillow < 13 always
+ * runs the horizontal pass first, on the input rows the vertical pass reads; Pillow 13 runs the vertical one
+ * first when the height shrinks by more than twice as many pixels as the width (`order` picks the rule; the
+ * Python side checks which one the installed Pillow follows).
  *
- * Integer sums are exact, so the order of the terms is free: the horizontal pass transposes ROWS input
- * rows and works on all of them at once (3 * ROWS contiguous lanes per tap), the vertical pass works on
- * contiguous runs of a row; both loops auto-vectorise. Horizontal rows live in a ring buffer just large
- * enough for the vertical taps, so they are still in cache when read. Each output row then goes either
- * to an RGB output or, through a per-(channel, byte) float table, straight into its patch rows.
+ * Integer sums are exact, so the order of the terms is free: the horizontal pass transposes ROWS rows and works
+ * on all of them at once (3 * ROWS contiguous lanes per tap), the vertical pass on contiguous runs of a row.
+ * Horizontal-first rows live in a ring just large enough for the vertical taps, so they are still in cache when
+ * read. Each output row then goes to an RGB output or into a band of patch*merge rows, and each full band,
+ * through a per-(channel, byte) float table, straight into its patch rows.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "_resample.h"
 
-#define TILE 128 /* pixels per transposed tile */
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(p) __builtin_prefetch(p)
-#else
-#define PREFETCH(p) ((void)0)
-#endif
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
@@ -48,130 +41,6 @@ typedef struct {
     uint8_t *rgb; /* [out_h, out_w, 3], or NULL to write patches */
     Patches patches;
 } Job;
-
-static double cubic(double x) {
-    /* Keys' kernel with a = -0.5, each operation as Pillow writes it so the doubles round the same */
-    const double a = -0.5;
-    if (x < 0.0) x = -x;
-    if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
-    if (x < 2.0) return (((x - 5) * x + 8) * x - 4) * a;
-    return 0.0;
-}
-
-static int32_t fixed_point(double w) { /* round half away from zero, as Pillow does */
-    return (int32_t)(w < 0 ? -0.5 + w * (1 << PRECISION_BITS) : 0.5 + w * (1 << PRECISION_BITS));
-}
-
-static inline uint8_t clip8(int32_t s) {
-    s >>= PRECISION_BITS;
-    return (uint8_t)(s < 0 ? 0 : s > 255 ? 255 : s);
-}
-
-/* Pillow's span [lo, lo + count) and normalised weights w[0:count] of output sample i */
-static int span(int i, int in_size, double scale, double filterscale, double *w, int *count) {
-    double support = 2.0 * filterscale, center = (i + 0.5) * scale, sum = 0.0;
-    int lo = (int)(center - support + 0.5), hi = (int)(center + support + 0.5);
-    lo = lo < 0 ? 0 : lo;
-    hi = hi > in_size ? in_size : hi;
-    for (int x = 0; x < hi - lo; x++) {
-        w[x] = cubic((x + lo - center + 0.5) * (1.0 / filterscale));
-        sum += w[x];
-    }
-    for (int x = 0; x < hi - lo; x++)
-        if (sum != 0.0) w[x] /= sum;
-    *count = hi - lo;
-    return lo;
-}
-
-static void free_taps(Taps *t) {
-    free(t->start);
-    free(t->k);
-    t->start = NULL;
-    t->k = NULL;
-}
-
-static int make_taps(int in_size, int out_size, Taps *t) {
-    double scale = (double)(float)in_size / out_size; /* Pillow takes the box as floats */
-    double filterscale = scale < 1.0 ? 1.0 : scale;
-    int bound = (int)ceil(2.0 * filterscale) * 2 + 1; /* Pillow's ksize, a bound on every count */
-    double *w = malloc(sizeof(double) * bound * out_size);
-    int *lo = malloc(sizeof(int) * out_size), *count = malloc(sizeof(int) * out_size);
-    int ok = w && lo && count;
-    t->ksize = 1;
-    for (int i = 0; ok && i < out_size; i++) {
-        lo[i] = span(i, in_size, scale, filterscale, w + (size_t)bound * i, &count[i]);
-        t->ksize = count[i] > t->ksize ? count[i] : t->ksize;
-    }
-    t->start = ok ? malloc(sizeof(int) * out_size) : NULL;
-    t->k = ok ? calloc((size_t)t->ksize * out_size, sizeof(int32_t)) : NULL;
-    ok = ok && t->start && t->k;
-    for (int i = 0; ok && i < out_size; i++) { /* shift the window left at the far edge */
-        int s = lo[i] < in_size - t->ksize ? lo[i] : in_size - t->ksize;
-        int32_t *k = t->k + (size_t)t->ksize * i + (lo[i] - s);
-        t->start[i] = s;
-        for (int x = 0; x < count[i]; x++) k[x] = fixed_point(w[(size_t)bound * i + x]);
-    }
-    free(w);
-    free(lo);
-    free(count);
-    if (!ok) free_taps(t);
-    return ok ? 0 : -1;
-}
-
-/* nrows (<= ROWS) transposed rows [in_w, STRIDE] -> dst[r][3 * out_w] (rows padded by one byte: each pixel is
-   stored as 4 bytes, the spare one overwritten by the next pixel) */
-static void horizontal(const uint8_t *block, const Taps *t, int out_w, uint8_t *const *dst, int nrows) {
-    for (int x = 0; x < out_w; x++) {
-        const uint8_t *col = block + (size_t)t->start[x] * STRIDE;
-        const int32_t *k = t->k + (size_t)x * t->ksize;
-        int32_t acc[LANES];
-        uint8_t px[LANES + 1];
-        for (int j = 0; j < LANES; j++) acc[j] = HALF;
-        for (int i = 0; i < t->ksize; i++) {
-            int32_t ki = k[i];
-            if (ki == 0) continue; /* padding; also keeps GCC from unroll-and-jamming the loop scalar */
-            for (int j = 0; j < LANES; j++) acc[j] += col[i * STRIDE + j] * ki;
-        }
-        for (int j = 0; j < LANES; j++) px[j] = clip8(acc[j]);
-        for (int r = 0; r < nrows; r++) memcpy(dst[r] + 3 * x, px + 3 * r, 4);
-    }
-}
-
-/* rows[r][3 * width] -> block[x * STRIDE + 3 * r + c], TILE pixels of every row at a time so the block's tile
-   stays in L1, the next tile of each row prefetched (ROWS short reads from memory otherwise wait on it, and this
-   copy was as slow as the horizontal pass); a pixel per 4-byte copy (the spare byte lands in the next row's lane, written after, or in the
-   padding); the last pixel of a row is copied as 3 bytes */
-static void transpose(const uint8_t *const *rows, int width, int nrows, uint8_t *block) {
-    for (int x0 = 0; x0 < width - 1; x0 += TILE) {
-        int x1 = x0 + TILE < width - 1 ? x0 + TILE : width - 1;
-        for (int r = 0; r < nrows; r++) {
-            for (int b = 3 * x1; b < 3 * (x1 + TILE) && b < 3 * width; b += 64) PREFETCH(rows[r] + b); /* next tile */
-            for (int x = x0; x < x1; x++) memcpy(block + (size_t)x * STRIDE + 3 * r, rows[r] + 3 * x, 4);
-        }
-    }
-    for (int r = 0; r < nrows; r++) memcpy(block + (size_t)(width - 1) * STRIDE + 3 * r, rows[r] + 3 * (width - 1), 3);
-}
-
-/* bytes [j0, j0 + len) of the vertical pass; with len = RUN the accumulators stay in registers */
-static inline void vertical_run(const uint8_t *const *rows, const int32_t *k, int ksize, int j0, int len,
-                                uint8_t *out) {
-    int32_t acc[RUN];
-    for (int j = 0; j < len; j++) acc[j] = HALF;
-    for (int i = 0; i < ksize; i++) {
-        const uint8_t *r = rows[i] + j0;
-        int32_t ki = k[i];
-        if (ki == 0) continue; /* padding; also keeps GCC from unroll-and-jamming the loop scalar */
-        for (int j = 0; j < len; j++) acc[j] += r[j] * ki;
-    }
-    for (int j = 0; j < len; j++) out[j0 + j] = clip8(acc[j]);
-}
-
-/* ksize rows -> one row of n bytes; a short tail is redone as the last full run (same values) */
-static void vertical(const uint8_t *const *rows, const int32_t *k, int ksize, int n, uint8_t *out) {
-    if (n < RUN) vertical_run(rows, k, ksize, 0, n, out);
-    for (int j0 = 0; n >= RUN && j0 < n; j0 += RUN)
-        vertical_run(rows, k, ksize, j0 + RUN <= n ? j0 : n - RUN, RUN, out);
-}
 
 static void horizontal_any(const uint8_t *block, const Taps *t, int out_w, uint8_t *const *dst, int nrows) {
 #ifdef HAVE_AVX2_KERNELS
@@ -325,9 +194,10 @@ static void vertical_first(const Job *job, Work *w) {
         int nrows = job->out_h - y0 < ROWS ? job->out_h - y0 : ROWS;
         for (int r = 0; r < nrows; r++) {
             int ksize = point_taps(job, w, y0 + r, 0);
-            w->src[r] = w->line + w->in_row * r;
+            uint8_t *row = w->line + w->in_row * r;
+            vertical_any(w->taps, w->v.k + (size_t)ksize * (y0 + r), ksize, (int)w->in_row, row);
+            w->src[r] = row;
             w->dst[r] = w->rows + w->pitch * r;
-            vertical_any(w->taps, w->v.k + (size_t)ksize * (y0 + r), ksize, (int)w->in_row, (uint8_t *)w->src[r]);
         }
         transpose(w->src, job->in_w, nrows, w->block);
         horizontal_any(w->block, &w->h, job->out_w, w->dst, nrows);
@@ -427,20 +297,22 @@ static PyObject *resize_patches(PyObject *self, PyObject *args) {
 static PyObject *kernels(PyObject *self, PyObject *args) {
     const char *name = NULL;
     if (!PyArg_ParseTuple(args, "|s", &name)) return NULL;
-    if (name && strcmp(name, "portable") == 0)
+    if (name && strcmp(name, "portable") == 0) {
         avx2 = 0;
-    else if (name && strcmp(name, "avx2") == 0 && check(cpu_has_avx2(), "this build or CPU has no AVX2 kernels"))
+    } else if (name && strcmp(name, "avx2") == 0) {
+        if (!check(cpu_has_avx2(), "this build or CPU has no AVX2 kernels")) return NULL;
         avx2 = 1;
-    else if (name && !PyErr_Occurred())
-        return PyErr_Format(PyExc_ValueError, "kernels are 'avx2' or 'portable', not %R", PyTuple_GET_ITEM(args, 0));
-    return PyErr_Occurred() ? NULL : PyUnicode_FromString(avx2 ? "avx2" : "portable");
+    } else if (name) {
+        return PyErr_Format(PyExc_ValueError, "kernels are 'avx2' or 'portable', not '%s'", name);
+    }
+    return PyUnicode_FromString(avx2 ? "avx2" : "portable");
 }
 
 static PyMethodDef methods[] = {
     {"kernels", kernels, METH_VARARGS,
      "kernels([name]): the kernels in use, 'avx2' or 'portable'; with a name, switch to them (for tests)."},
     {"resize_rgb", resize_rgb, METH_VARARGS,
-     "resize_rgb(src, in_h, in_w, (out_h, out_w), order, out): Pillow's bicubic resize of packed RGB bytes into out."},
+     "resize_rgb(src, in_h, in_w, (out_h, out_w), order, out): Pillow's bicubic resize of RGB bytes into out."},
     {"resize_patches", resize_patches, METH_VARARGS,
      "resize_patches(src, in_h, in_w, (out_h, out_w), order, table, out, patch, merge, temporal): resize, look every "
      "byte up in table[channel], write Qwen2-VL patch rows into out."},
