@@ -29,6 +29,7 @@ from PIL import Image
 from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2VLForConditionalGeneration
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from vlmq.models import TINY_SHAPES_POLICY
 from vlmq.workers.models.processor import load_processor
 from vlmq.workers.tiny import data, evaluate, shapes
 from vlmq.workers.tiny import model as tiny_model
@@ -55,6 +56,7 @@ class Options:
     pool: int = 48  # images generated at a time, then bucketed by size
     batch_tokens: int = 1024  # padded LM tokens per step and process
     questions_per_image: int = 3  # 1 = caption or question; n > 1 = caption + n-1 distinct questions
+    packed: int = 0  # 1: an image's rows share one pass of its tokens through the LM (data.pack_groups)
     max_side: int | None = None  # restrict image sides (smoke tests)
     eval_n: int = 200
     seed: int = TRAIN_SEED
@@ -73,6 +75,8 @@ class Options:
     probe_every: int = 0  # 1: each log line adds the loss with each image's own vs another image's features
     aux_weight: float = 0.5  # weight of the training-only dense losses (0: answers only)
     small_until: float = 0.5  # curriculum: images of at most 224 px per side until this fraction of training
+    vision_until: float = 0.0  # first phase: the vision tower alone learns what each image token shows
+    where: int = 0  # 1: an extra training-only head: which 3x3 cell each image token lies in, from the LM
 
 
 def batches(builder, rng, opts: Options, clock: dict | None = None):
@@ -85,11 +89,16 @@ def batches(builder, rng, opts: Options, clock: dict | None = None):
             max_side = min(max_side or 224, 224)
         groups = [data.make_group(builder, rng, opts.questions_per_image, max_side) for _ in range(opts.pool)]
         groups.sort(key=lambda g: g.num_image_tokens)
+        if clock is not None and clock.get("progress", 0.0) < opts.vision_until:  # no LM rows: more images a step
+            yield from (groups[i: i + VISION_BATCH] for i in rng.permutation(range(0, len(groups), VISION_BATCH)))
+            continue
         batch: list[data.Group] = []
         out = []
         for g in groups:
-            width = max(len(ids) for ids, _ in g.rows)
-            rows = sum(len(x.rows) for x in batch) + len(g.rows)
+            if opts.packed:  # one sequence per image
+                width, rows = data.packed_length(g, builder), len(batch) + 1
+            else:
+                width, rows = max(len(ids) for ids, _ in g.rows), sum(len(x.rows) for x in batch) + len(g.rows)
             if batch and rows * width > opts.batch_tokens:
                 out.append(batch)
                 batch = []
@@ -100,39 +109,78 @@ def batches(builder, rng, opts: Options, clock: dict | None = None):
             yield out[i]
 
 
-def target_loss(model, batch, pad_id, aux_weight: float = 0.0):
+def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.RowBuilder | None = None):
+    """Answer loss (+ the training-only dense losses); with `builder`, each image's rows are packed into one
+    sequence (data.pack_groups: the same loss, the image tokens through the LM once), else one row each."""
     pixel_values = torch.cat([g.pixel_values for g in batch])
     grids = torch.stack([g.grid_thw for g in batch])
     feats = model.model.get_image_features(pixel_values, grids, return_dict=True).pooler_output
-    rows, row_feats, row_grids, firsts = [], [], [], []
-    for g, f in zip(batch, feats, strict=True):
-        firsts.append(len(rows))
-        for r in g.rows:
-            rows.append(r)
-            row_feats.append(f)
-            row_grids.append(g.grid_thw)
-    input_ids, labels, mask = data.pad_rows(rows, pad_id)
-    mm_types = (input_ids == model.config.image_token_id).long()
-    hidden = model.model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        image_grid_thw=torch.stack(row_grids),
-        mm_token_type_ids=mm_types,
-        mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(row_feats))},
-    ).last_hidden_state
+    image_id = model.config.image_token_id
+    if builder is not None:
+        input_ids, labels, positions, visible = data.pack_groups(batch, builder, pad_id, _rope_index(model, image_id))
+        inputs = dict(position_ids=positions, attention_mask={"full_attention": visible}, image_grid_thw=grids,
+                      mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(feats))})
+        firsts = list(range(len(batch)))
+    else:
+        rows, row_feats, row_grids, firsts = [], [], [], []
+        for g, f in zip(batch, feats, strict=True):
+            firsts.append(len(rows))
+            for r in g.rows:
+                rows.append(r)
+                row_feats.append(f)
+                row_grids.append(g.grid_thw)
+        input_ids, labels, mask = data.pad_rows(rows, pad_id)
+        inputs = dict(attention_mask=mask, image_grid_thw=torch.stack(row_grids),
+                      mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(row_feats))})
+    mm_types = (input_ids == image_id).long()
+    aux = aux_weight and hasattr(model, "aux")
+    where = aux and "where" in model.aux
+    out = model.model(input_ids=input_ids, mm_token_type_ids=mm_types, output_hidden_states=bool(where), **inputs)
+    hidden = out.last_hidden_state
     loss = _answer_loss(model.lm_head, hidden, labels)
-    if aux_weight and hasattr(model, "aux"):
-        loss = loss + aux_weight * _aux_loss(model.aux, torch.cat(feats), hidden, labels, batch, firsts)
+    if aux:
+        dense = _aux_loss(model.aux, torch.cat(feats), hidden, labels, batch, firsts)
+        if where:
+            middle = out.hidden_states[(len(out.hidden_states) - 1) // 2]  # after half of the LM's layers
+            dense = dense + _where_loss(model.aux["where"], middle[firsts], mm_types[firsts].bool(), batch)
+        loss = loss + aux_weight * dense
     return loss
 
 
+def _rope_index(model, image_id):
+    def positions(ids: list[int], grid: torch.Tensor) -> torch.Tensor:
+        row = torch.tensor([ids])
+        return model.model.get_rope_index(row, (row == image_id).long(), grid[None])[0][:, 0]
+    return positions
+
+
+def _where_loss(head, hidden, is_image, batch):
+    # which 3x3 cell each image token lies in, from the LM's own states halfway up (the rows of one image share
+    # their image tokens' states, so only each image's first row is scored)
+    logits = head(hidden[is_image])
+    return torch.nn.functional.cross_entropy(logits, torch.cat([g.token_cells for g in batch]))
+
+
 AUX_CLASSES = (1 + len(shapes.COLOUR_NAMES), 1 + len(shapes.SHAPES))
+VISION_BATCH = 8  # images per step and process in the vision-only phase
 
 
-def aux_heads(hidden: int) -> torch.nn.ModuleDict:
-    """Training-only heads (removed before saving): what each image token shows, what each cell holds."""
+def vision_loss(model, batch):
+    """First phase: the colour and shape under each image token, from the vision tower alone (no LM)."""
+    pixel_values = torch.cat([g.pixel_values for g in batch])
+    grids = torch.stack([g.grid_thw for g in batch])
+    feats = model.model.get_image_features(pixel_values, grids, return_dict=True).pooler_output
+    return _split_ce(model.aux["token"](torch.cat(feats)), torch.cat([g.token_labels for g in batch]))
+
+
+def aux_heads(hidden: int, where: bool = False) -> torch.nn.ModuleDict:
+    """Training-only heads (removed before saving): what each image token shows, what each cell holds, and
+    (where=True) which cell each image token lies in, read from the LM halfway up."""
     per = sum(AUX_CLASSES)
-    return torch.nn.ModuleDict({"token": torch.nn.Linear(hidden, per), "cell": torch.nn.Linear(hidden, 9 * per)})
+    heads = {"token": torch.nn.Linear(hidden, per), "cell": torch.nn.Linear(hidden, 9 * per)}
+    if where:
+        heads["where"] = torch.nn.Linear(hidden, 9)
+    return torch.nn.ModuleDict(heads)
 
 
 def _split_ce(logits, targets):
@@ -367,7 +415,8 @@ def write_model_cards(opts: Options, report: dict, argv: list[str]) -> None:
         vision=json.dumps(target_cfg["vision_config"], sort_keys=True), command=command,
         secs=report["target_seconds"], images=report["target_images"], wall=report["script_wall_seconds"],
         procs=report["procs"], steps=report["target_steps"], cpu=report["target_cpu_seconds"],
-        accuracy=accuracy, agreement=agreement, draft_params=report["draft_params"], small=opts.small_until,
+        accuracy=accuracy, agreement=agreement,
+        min_side=math.isqrt(TINY_SHAPES_POLICY.min_pixels), draft_params=report["draft_params"], small=opts.small_until,
         rows=_rows_sentence(opts), status=_status(report)))
     (opts.draft_out / "README.md").write_text(DRAFT_CARD.format(
         params=report["draft_params"], config=json.dumps(draft_cfg, sort_keys=True), command=command,
@@ -421,7 +470,8 @@ up to 3:1, some large images with small (18-30 px) shapes. Prompts: "Describe th
 - vision: {vision}
 - tokenizer: byte-level BPE (Qwen2 pre-tokenizer) trained on the task grammar, 421 tokens + Qwen2-VL
   specials; chat template like Qwen2-VL's without the default system turn; `<|im_end|>` is EOS.
-- image processor: Qwen2-VL, patch 14, merge 2, temporal patch 2, min 56x56 and max 1024x1024 pixels.
+- image processor: Qwen2-VL, patch 14, merge 2, temporal patch 2, min {min_side}x{min_side} pixels of area (smaller
+  images are upscaled) and max 1024x1024.
 
 ## Training
 `{command}` (generated on the fly, training seeds 1000/1001; held-out seeds 7 (eval), 8 (demo), 9 (tests)).
@@ -466,11 +516,12 @@ def parse_args(argv) -> Options:
         p.add_argument("--" + name.replace("_", "-"), type=Path, default=getattr(opts, name))
     ints = ("steps", "draft_steps", "warmup", "pool", "batch_tokens", "max_side", "eval_n", "seed", "procs", "threads",
             "log_every", "questions_per_image", "hidden", "layers", "mlp_mult", "vision_depth", "vision_embed",
-            "probe_every")
+            "probe_every", "packed", "where")
     for name in ints:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(opts, name))
     p.add_argument("--mrope", default=opts.mrope)
-    for name in ("lr", "draft_lr", "budget_min", "draft_budget_min", "rope_theta", "aux_weight", "small_until"):
+    for name in ("lr", "draft_lr", "budget_min", "draft_budget_min", "rope_theta", "aux_weight", "small_until",
+                 "vision_until"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(opts, name))
     return Options(**vars(p.parse_args(argv)))
 
@@ -521,10 +572,16 @@ def _train_models(rank: int, opts: Options) -> dict:
         probe_fn = lambda m: probe(m, pairs, pad_id)  # noqa: E731
     if opts.aux_weight:
         torch.manual_seed(opts.seed + 7)
-        target.aux = aux_heads(target.config.text_config.hidden_size)
+        target.aux = aux_heads(target.config.text_config.hidden_size, bool(opts.where))
     clock: dict = {}
+
+    def loss_fn(model, batch):
+        if clock.get("progress", 0.0) < opts.vision_until and hasattr(model, "aux"):
+            return vision_loss(model, batch)
+        return target_loss(model, batch, pad_id, opts.aux_weight, builder if opts.packed else None)
+
     secs, cpu, images, steps = run_training(
-        target, lambda m, b: target_loss(m, b, pad_id, opts.aux_weight), batches(builder, rng, opts, clock),
+        target, loss_fn, batches(builder, rng, opts, clock),
         opts.steps, opts.lr, opts.warmup, opts.log_every, "target", opts.budget_min * 60, probe_fn, clock)
     if hasattr(target, "aux"):
         del target.aux

@@ -78,7 +78,7 @@ def test_eos_is_im_end(processor):
     gen = GenerationConfig.from_pretrained(TARGET)
     assert gen.eos_token_id == processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert json.loads((TARGET / "preprocessor_config.json").read_text())["size"] == {
-        "shortest_edge": 3136, "longest_edge": 1048576}
+        "shortest_edge": 56 * 56, "longest_edge": 1024 * 1024}
 
 
 def test_draft_loads_and_shares_the_tokenizer(processor):

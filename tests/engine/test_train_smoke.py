@@ -48,3 +48,35 @@ def test_train_script_writes_loadable_folders(tmp_path):
     draft = AutoModelForCausalLM.from_pretrained(draft_dir)
     assert draft.config.vocab_size == model.config.text_config.vocab_size
     assert len(json.loads((demo_dir / "samples.json").read_text())) == 8
+
+
+def test_packed_rows_give_the_loss_of_separate_rows(tmp_path):
+    """Training packs an image's rows into one sequence (its tokens through the LM once): same loss, and no row
+    sees another's question or answer."""
+    import numpy as np
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from vlmq.workers.tiny import data
+    from vlmq.workers.tiny import model as tiny_model
+    from vlmq.workers.tiny import tokenizer as tiny_tokenizer
+
+    train = _script()
+    tiny_tokenizer.save_tokenizer_files(tmp_path)
+    ids = tiny_tokenizer.special_token_ids(tiny_tokenizer.build_tokenizer())
+    builder = data.RowBuilder(load_processor(tmp_path))
+    rng = np.random.default_rng(0)
+    groups = [data.make_group(builder, rng, 4, max_side=150) for _ in range(3)]
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(tiny_model.target_config(ids, layers=2, rope_theta=20.0))
+    model.aux = train.aux_heads(model.config.text_config.hidden_size, where=True)
+    pad = ids["<|endoftext|>"]
+    for aux_weight in (0.0, 0.5):
+        rows = train.target_loss(model, groups, pad, aux_weight)
+        packed = train.target_loss(model, groups, pad, aux_weight, builder)
+        torch.testing.assert_close(packed, rows, rtol=1e-5, atol=1e-5)
+    rope_index = train._rope_index(model, ids["<|image_pad|>"])
+    _, _, positions, visible = data.pack_groups(groups, builder, pad, rope_index)
+    shared = data.shared_length(groups[0], builder)
+    second = len(groups[0].rows[0][0])  # packed: the first row whole, then the second row's remainder
+    assert visible[0, 0, second, shared] == 0 and visible[0, 0, second, shared - 1] == 1
+    assert positions[0, 0, second] == positions[0, 0, shared]  # the second row restarts after the image

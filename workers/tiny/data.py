@@ -25,6 +25,7 @@ class Group:
     num_image_tokens: int
     token_labels: torch.Tensor | None = None  # [num_image_tokens, 2]: colour, shape of each LM image token
     cell_labels: torch.Tensor | None = None  # [9, 2]: colour, shape in each grid cell (0 = nothing)
+    token_cells: torch.Tensor | None = None  # [num_image_tokens]: the 3x3 cell each LM image token's centre lies in
 
 
 class RowBuilder:
@@ -89,7 +90,19 @@ def make_group(builder: RowBuilder, rng: np.random.Generator, questions_per_imag
             pair = shapes.pick_question(scene, rng, caption_prob=0.0)
             if pair not in qa:
                 qa.append(pair)
-    return Group(out["pixel_values"], grid, [builder.row(q, a, n) for q, a in qa], qa, n, tokens, cells)
+    rows, cols = int(grid[1]) // 2, int(grid[2]) // 2
+    return Group(out["pixel_values"], grid, [builder.row(q, a, n) for q, a in qa], qa, n, tokens, cells,
+                 token_cells(rows, cols))
+
+
+def token_cells(rows: int, cols: int) -> torch.Tensor:
+    """The 3x3 cell (0 = top left ... 8 = bottom right) holding the centre of each token of a rows x cols grid.
+
+    Image tokens carry no absolute position (RoPE is relative, backgrounds are uniform): the LM has to
+    work out where a token sits relative to the image's size, which this auxiliary target teaches."""
+    r = ((torch.arange(rows) + 0.5) * 3 / rows).long().clamp(max=2)
+    c = ((torch.arange(cols) + 0.5) * 3 / cols).long().clamp(max=2)
+    return (r[:, None] * 3 + c[None, :]).reshape(-1)
 
 
 def _class_ids(shape: shapes.Shape) -> tuple[int, int]:
@@ -129,3 +142,49 @@ def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int):
         labels[i, : len(lab)] = torch.tensor(lab)
         mask[i, : len(ids)] = 1
     return input_ids, labels, mask
+
+
+def shared_length(group: Group, builder: RowBuilder) -> int:
+    """Tokens every row of a group starts with: the chat prefix and the image (its rows differ after it)."""
+    return len(builder.prefix) + group.num_image_tokens
+
+
+def packed_length(group: Group, builder: RowBuilder) -> int:
+    shared = shared_length(group, builder)
+    return shared + sum(len(ids) - shared for ids, _ in group.rows)
+
+
+def pack_groups(groups: list[Group], builder: RowBuilder, pad_id: int, rope_index):
+    """One sequence per image: the shared prefix and image once, then each row's remainder (question, answer).
+
+    Each remainder sees the shared part and itself only, at the positions it has in its own row, so the loss is
+    the loss of the separate rows while the image tokens go through the LM once instead of once per row.
+    `rope_index(ids, grid)` gives a single row's M-RoPE positions [3, len]. Returns input_ids, labels [G, S],
+    position_ids [3, G, S] and a boolean attention mask [G, 1, S, S] (True: may attend)."""
+    width = max(packed_length(g, builder) for g in groups)
+    input_ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(groups), width), IGNORE, dtype=torch.long)
+    positions = torch.zeros((3, len(groups), width), dtype=torch.long)
+    segment = torch.full((len(groups), width), -1, dtype=torch.long)  # 0: shared, j + 1: row j, -1: padding
+    for i, g in enumerate(groups):
+        shared = shared_length(g, builder)
+        first_ids = g.rows[0][0]
+        row_positions = rope_index(first_ids, g.grid_thw)
+        input_ids[i, :shared] = torch.tensor(first_ids[:shared])
+        positions[:, i, :shared] = row_positions[:, :shared]
+        segment[i, :shared] = 0
+        at, text_start = shared, int(row_positions[0, shared])
+        for j, (ids, lab) in enumerate(g.rows):
+            if ids[:shared] != first_ids[:shared]:
+                raise ValueError("rows of a group must share the prefix and image")
+            n = len(ids) - shared
+            input_ids[i, at: at + n] = torch.tensor(ids[shared:])
+            labels[i, at: at + n] = torch.tensor(lab[shared:])
+            positions[:, i, at: at + n] = text_start + torch.arange(n)
+            segment[i, at: at + n] = j + 1
+            at += n
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same = segment[:, :, None] == segment[:, None, :]
+    visible = causal & (same | (segment[:, None, :] == 0)) & (segment[:, :, None] >= 0)
+    visible |= torch.eye(width, dtype=torch.bool)  # padding attends to itself (no empty softmax rows)
+    return input_ids, labels, positions, visible[:, None]

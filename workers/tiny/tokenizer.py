@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
+from vlmq.models import TINY_SHAPES_POLICY
 from vlmq.workers.tiny import shapes
 
 # Qwen2's pre-tokenization regex (split on contractions, letters, single digits, punctuation, spaces)
@@ -64,7 +65,7 @@ IMAGE_PROCESSOR_CONFIG = {
     "patch_size": 14,
     "merge_size": 2,
     "temporal_patch_size": 2,
-    "size": {"shortest_edge": 56 * 56, "longest_edge": 1024 * 1024},
+    "size": {"shortest_edge": TINY_SHAPES_POLICY.min_pixels, "longest_edge": TINY_SHAPES_POLICY.max_pixels},
     "resample": 3,
 }
 
