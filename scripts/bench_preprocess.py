@@ -1,14 +1,17 @@
 """Benchmark: our Qwen2-VL image preprocessing vs transformers' image processor, same images, same process.
 
 What is measured: decoded RGB PIL images in, (pixel_values, image_grid_thw) out. Decoding is NOT in the
-headline (both sides get the same decoded image); a separate line adds a JPEG decode to both sides. Both paths
-run on one core (torch intra-op threads = 1 unless --torch-threads says otherwise), one right after the other
-for every image and round, alternating which goes first; each figure is the median over --rounds, of wall time
-and of process CPU time (on a machine shared with other jobs the CPU-time ratio is the steadier one). Before
-timing, the script checks that both give the same pixel_values bit for bit.
+headline (both sides get the same decoded image); a separate line adds a JPEG decode to both sides. Our two
+paths are timed: "ours" is the default one (the C resampler, fused with lookup and patchify, when it is built)
+and "ours_pil" the fallback (PIL's resize, then numpy). All run on one core (torch intra-op threads = 1 unless
+--torch-threads says otherwise), one right after the other for every image and round, rotating which goes
+first; each figure is the median over --rounds, of wall time and of process CPU time (on a machine shared with
+other jobs the CPU-time ratio is the steadier one). Before timing, the script checks that every path gives the
+same pixel_values bit for bit.
 
 Prints per-image and whole-set times and ratios, the time per stage of each path, the ceiling that PIL's
-resize puts on the ratio, and (with --threads) batch throughput with a thread pool; writes JSON to --out.
+resize puts on the fallback's ratio, and (with --threads) batch throughput with a thread pool; writes JSON to
+--out.
 
     python scripts/bench_preprocess.py [--rounds 15] [--threads 2] [--out bench-results/preprocess.json]
 """
@@ -32,11 +35,13 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlmq.cost import smart_resize
-from vlmq.workers.engine.preprocess import ImagePreprocessor
+from vlmq.workers.engine import resample
+from vlmq.workers.engine.preprocess import NATIVE, ImagePreprocessor
 
 # a fixed set of common photo/screenshot sizes, (width, height)
 IMAGE_SIZES = [(256, 256), (448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720), (1344, 1008), (1920, 1080)]
 REF_STAGES = ("process_image", "resize", "rescale", "normalize", "patchify")  # methods of the transformers class
+PATHS = ("transformers", "ours", "ours_pil")
 _ref_spent: dict[str, float] = defaultdict(float)  # CPU ms per stage method, filled by TimedReference
 
 
@@ -83,29 +88,29 @@ def median_ms(fn: Callable[[], object], rounds: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
-def per_image(ref, ours: ImagePreprocessor, images: list[Image.Image], rounds: int) -> list[dict]:
-    """Median wall and CPU ms of each path on each image; the two run back to back, alternating which goes first."""
+def per_image(paths: dict[str, Callable], images: list[Image.Image], rounds: int) -> list[dict]:
+    """Median wall and CPU ms of each path on each image; they run back to back, rotating which goes first."""
     times: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    names = list(paths)
     for r in range(rounds):
         for i, img in enumerate(images):
-            pair = [("transformers", lambda img=img: ref([img], return_tensors="pt")),
-                    ("ours", lambda img=img: ours([img]))]
-            for name, fn in pair[:: 1 if (r + i) % 2 == 0 else -1]:
-                times[i, name].append(clock(fn))
+            shift = (r + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[i, name].append(clock(lambda img=img, name=name: paths[name]([img])))
     rows = []
     for i, img in enumerate(images):
-        h, w = smart_resize(img.height, img.width, ours.policy)
-        row = {"width": img.width, "height": img.height, "resized": [w, h], "tokens": h * w // ours.policy.factor**2}
-        for name in ("transformers", "ours"):
+        h, w = smart_resize(img.height, img.width)
+        row = {"width": img.width, "height": img.height, "resized": [w, h], "tokens": h * w // 28**2}
+        for name in names:
             row[f"{name}_ms"] = statistics.median(wall for wall, _ in times[i, name])
             row[f"{name}_cpu_ms"] = statistics.median(cpu for _, cpu in times[i, name])
         rows.append(row)
     return rows
 
 
-def whole_set(rows: list[dict], kind: str) -> dict[str, float]:
-    ref, ours = sum(r[f"transformers{kind}_ms"] for r in rows), sum(r[f"ours{kind}_ms"] for r in rows)
-    return {"transformers_ms": ref, "ours_ms": ours, "ratio": ref / ours}
+def whole_set(rows: list[dict], ours: str, kind: str) -> dict[str, float]:
+    ref, mine = sum(r[f"transformers{kind}_ms"] for r in rows), sum(r[f"{ours}{kind}_ms"] for r in rows)
+    return {"transformers_ms": ref, "ours_ms": mine, "ratio": ref / mine}
 
 
 def ref_stages(images: list[Image.Image], rounds: int) -> dict[str, float]:
@@ -128,7 +133,7 @@ def _pil_resize(img: Image.Image) -> Image.Image:
 
 
 def our_stages(ours: ImagePreprocessor, images: list[Image.Image], rounds: int) -> dict[str, float]:
-    """Median CPU ms per stage of our path over the set (normalize and patchify run band by band, as in
+    """Median CPU ms per stage of the PIL fallback over the set (normalize and patchify run band by band, as in
     `to_patches`, with a clock around each call)."""
     spent = defaultdict(list)
     for _ in range(rounds):
@@ -142,6 +147,37 @@ def our_stages(ours: ImagePreprocessor, images: list[Image.Image], rounds: int) 
         for name, ms in got.items():
             spent[name].append(ms)
     return {name: statistics.median(v) for name, v in spent.items()}
+
+
+def native_stages(ours: ImagePreprocessor, images: list[Image.Image], rounds: int) -> dict[str, float]:
+    """Median CPU ms per stage of the native path over the set: the PIL -> numpy copy, the C resize alone (to
+    uint8), and the one C pass that resizes, looks up and writes patch rows into a fresh output."""
+    p, spent = ours.policy, defaultdict(list)
+    for _ in range(rounds):
+        got: dict[str, float] = defaultdict(float)
+        for img in images:
+            rgb, size = np.asarray(img), smart_resize(img.height, img.width, p)
+            got["total"] += cpu_ms(lambda img=img: ours([img]))
+            got["asarray (PIL -> numpy copy)"] += cpu_ms(lambda img=img: np.asarray(img))
+            got["output allocation (np.empty, first touch)"] += cpu_ms(lambda s=size: _fresh_output(ours, s))
+            got["C resize alone (to uint8, for reference)"] += cpu_ms(lambda r=rgb, s=size: resample.resize(r, s))
+            got["C resize + lookup + patchify (one pass)"] += cpu_ms(lambda r=rgb, s=size: _native_pass(ours, r, s))
+        got["rest (total - asarray - one pass, ± noise)"] = (
+            got["total"] - got["asarray (PIL -> numpy copy)"] - got["C resize + lookup + patchify (one pass)"]
+        )
+        for name, ms in got.items():
+            spent[name].append(ms)
+    return {name: statistics.median(v) for name, v in spent.items()}
+
+
+def _fresh_output(ours: ImagePreprocessor, size: tuple[int, int]) -> None:
+    np.empty((size[0] * size[1] // ours.policy.patch_size**2, ours.patch_dim), dtype=np.float32).fill(0)
+
+
+def _native_pass(ours: ImagePreprocessor, rgb: np.ndarray, size: tuple[int, int]) -> None:
+    p = ours.policy
+    out = np.empty((size[0] * size[1] // p.patch_size**2, ours.patch_dim), dtype=np.float32)
+    resample.resize_patches(rgb, size, ours._table, out, p.patch_size, p.merge_size, p.temporal_patch_size)
 
 
 def banded_stages(ours: ImagePreprocessor, rgb: np.ndarray) -> dict[str, float]:
@@ -168,51 +204,57 @@ def decode_ms(images: list[Image.Image], rounds: int) -> tuple[float, float]:
 
 
 def batch_threads(ref, ours: ImagePreprocessor, images: list[Image.Image], threads: int, rounds: int) -> dict:
-    """The whole set as one batch, wall ms: ours on a thread pool vs transformers as it runs (one call,
-    sequential) and vs transformers on the same pool (one call per image). More cores than the one-core
+    """The whole set as one batch, wall ms: ours on a thread pool vs ours on one thread, vs transformers as it
+    runs (one call, sequential) and on the same pool (one call per image). More cores than the one-core
     comparison: read these as throughput, not as a like-for-like ratio."""
     with ThreadPoolExecutor(threads) as pool:
         ref_seq = median_ms(lambda: ref(images, return_tensors="pt"), rounds)[0]
         ref_pool = median_ms(lambda: list(pool.map(lambda im: ref([im], return_tensors="pt"), images)), rounds)[0]
+        ours_seq = median_ms(lambda: ours(images), rounds)[0]
         ours_pool = median_ms(lambda: ours(images, executor=pool), rounds)[0]
     return {"threads": threads, "transformers_sequential_ms": ref_seq, "transformers_pool_ms": ref_pool,
-            "ours_pool_ms": ours_pool, "ratio_vs_sequential": ref_seq / ours_pool,
-            "ratio_vs_pool": ref_pool / ours_pool}
+            "ours_sequential_ms": ours_seq, "ours_pool_ms": ours_pool, "ratio_vs_sequential": ref_seq / ours_pool,
+            "ratio_vs_pool": ref_pool / ours_pool, "ours_speedup_from_threads": ours_seq / ours_pool}
 
 
-def check_parity(ref, ours: ImagePreprocessor, images: list[Image.Image]) -> None:
+def check_parity(ref, paths: list[ImagePreprocessor], images: list[Image.Image]) -> None:
     expected = ref(images, return_tensors="pt")
     with ThreadPoolExecutor(2) as pool:
-        for pixels, grid in (ours(images), ours(images, executor=pool)):
-            assert torch.equal(pixels, expected["pixel_values"]), "pixel_values differ from transformers"
-            assert torch.equal(grid, expected["image_grid_thw"]), "image_grid_thw differs from transformers"
+        for ours in paths:
+            for pixels, grid in (ours(images), ours(images, executor=pool)):
+                assert torch.equal(pixels, expected["pixel_values"]), f"pixel_values differ ({ours.native=})"
+                assert torch.equal(grid, expected["image_grid_thw"]), f"image_grid_thw differs ({ours.native=})"
 
 
 def print_report(result: dict) -> None:
-    print(f"{'image':>11} {'tokens':>6} {'transformers ms':>16} {'ours ms':>8} {'ratio':>6} {'CPU ms: ref':>12}"
-          f" {'ours':>7} {'ratio':>6}")
+    names = [n for n in PATHS if f"{n}_ms" in result["images"][0]]
+    print(f"path of ImagePreprocessor(): {result['setup']['default_path']}\n")
+    print(f"{'image':>11} {'tokens':>6}" + "".join(f" {n + ' ms':>17}" for n in names) + "   ratio to transformers")
     for r in result["images"]:
-        print(f"{r['width']:>5}x{r['height']:<5} {r['tokens']:>6} {r['transformers_ms']:>16.2f} {r['ours_ms']:>8.2f}"
-              f" {r['transformers_ms'] / r['ours_ms']:>5.2f}x {r['transformers_cpu_ms']:>12.2f}"
-              f" {r['ours_cpu_ms']:>7.2f} {r['transformers_cpu_ms'] / r['ours_cpu_ms']:>5.2f}x")
-    w, c = result["wall"], result["cpu"]
-    print(f"{'whole set':>11} {'':>6} {w['transformers_ms']:>16.2f} {w['ours_ms']:>8.2f} {w['ratio']:>5.2f}x"
-          f" {c['transformers_ms']:>12.2f} {c['ours_ms']:>7.2f} {c['ratio']:>5.2f}x")
-    print(f"(one core each, decode excluded, medians of {result['setup']['rounds']} rounds)")
-    for side in ("transformers", "ours"):
+        cells = "".join(f" {r[f'{n}_ms']:>8.2f} ({r[f'{n}_cpu_ms']:>6.2f})" for n in names)
+        ratios = "  ".join(f"{n} {r['transformers_ms'] / r[f'{n}_ms']:.2f}x" for n in names[1:])
+        print(f"{r['width']:>5}x{r['height']:<5} {r['tokens']:>6}{cells}   {ratios}")
+    for n in names[1:]:
+        w, c = result["wall"][n], result["cpu"][n]
+        print(f"whole set, {n}: transformers {w['transformers_ms']:.2f} ms, {n} {w['ours_ms']:.2f} ms:"
+              f" {w['ratio']:.2f}x wall, {c['ratio']:.2f}x CPU")
+    print(f"(wall ms, CPU ms in brackets; one core each, decode excluded, medians of {result['setup']['rounds']}"
+          " rounds)")
+    for side, stages in result["stages"].items():
         print(f"\nstages, {side} (CPU ms over the set):")
-        for name, ms in result["stages"][side].items():
+        for name, ms in stages.items():
             print(f"  {name:<44} {ms:8.2f}")
-    print(f"\nceiling with PIL's resize (transformers total / PIL resize alone, CPU):"
-          f" {result['ceiling_pil_resize']:.2f}x")
+    ceiling = result["ceiling_pil_resize"]
+    print(f"\nceiling of the PIL path (transformers total / PIL resize alone, CPU): {ceiling:.2f}x")
     d = result["decode"]
     print(f"JPEG decode of the set: {d['ms']:.2f} ms wall, {d['cpu_ms']:.2f} ms CPU; ratio with decode on both"
           f" sides: {d['ratio_with_decode']:.2f}x wall, {d['cpu_ratio_with_decode']:.2f}x CPU")
     if "threads" in result:
         t = result["threads"]
-        print(f"batch of {len(result['images'])} images, {t['threads']} threads: ours {t['ours_pool_ms']:.2f} ms; "
-              f"transformers sequential {t['transformers_sequential_ms']:.2f} ms ({t['ratio_vs_sequential']:.2f}x), "
-              f"transformers on the same pool {t['transformers_pool_ms']:.2f} ms ({t['ratio_vs_pool']:.2f}x)")
+        print(f"batch of {len(result['images'])} images, {t['threads']} threads: ours {t['ours_pool_ms']:.2f} ms"
+              f" ({t['ours_speedup_from_threads']:.2f}x its one-thread {t['ours_sequential_ms']:.2f} ms);"
+              f" transformers sequential {t['transformers_sequential_ms']:.2f} ms ({t['ratio_vs_sequential']:.2f}x),"
+              f" transformers on the same pool {t['transformers_pool_ms']:.2f} ms ({t['ratio_vs_pool']:.2f}x)")
 
 
 def main() -> None:
@@ -224,23 +266,32 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
 
-    ref, ours = Qwen2VLImageProcessorPil(), ImagePreprocessor()
+    ref, ours, ours_pil = Qwen2VLImageProcessorPil(), ImagePreprocessor(), ImagePreprocessor(native=False)
     images = [make_image(w, h, i) for i, (w, h) in enumerate(IMAGE_SIZES)]
-    check_parity(ref, ours, images)
+    check_parity(ref, [ours, ours_pil], images)
 
-    rows = per_image(ref, ours, images, args.rounds)
-    wall, cpu = whole_set(rows, ""), whole_set(rows, "_cpu")
-    stages = {"transformers": ref_stages(images, args.rounds), "ours": our_stages(ours, images, args.rounds)}
+    paths = {"transformers": lambda ims: ref(ims, return_tensors="pt"), "ours": ours, "ours_pil": ours_pil}
+    if not NATIVE:  # "ours" is the PIL path already
+        del paths["ours_pil"]
+    rows = per_image(paths, images, args.rounds)
+    named = [n for n in paths if n != "transformers"]
+    wall, cpu = {n: whole_set(rows, n, "") for n in named}, {n: whole_set(rows, n, "_cpu") for n in named}
+    stages = {"transformers": ref_stages(images, args.rounds), "ours_pil": our_stages(ours_pil, images, args.rounds)}
+    if NATIVE:
+        stages["ours (native)"] = native_stages(ours, images, args.rounds)
     dec_wall, dec_cpu = decode_ms(images, args.rounds)
+    w, c = wall["ours"], cpu["ours"]
     result = {
         "setup": {"rounds": args.rounds, "torch_threads": args.torch_threads, "cpus": os.cpu_count(),
                   "decode_included": False, "statistic": "median per image, summed over the set",
-                  "images": "synthetic noisy gradients, decoded RGB PIL images"},
-        "images": rows, "wall": wall, "cpu": cpu, "ratio": wall["ratio"], "stages": stages,
+                  "images": "synthetic noisy gradients, decoded RGB PIL images",
+                  "default_path": f"native (C resampler, {resample.kernels()} kernels)" if NATIVE
+                  else f"PIL ({resample.REASON})"},
+        "images": rows, "wall": wall, "cpu": cpu, "ratio": wall["ours"]["ratio"], "stages": stages,
         "ceiling_pil_resize": stages["transformers"]["total"] / stages["transformers"]["pil_resize (inside resize)"],
         "decode": {"ms": dec_wall, "cpu_ms": dec_cpu,
-                   "ratio_with_decode": (wall["transformers_ms"] + dec_wall) / (wall["ours_ms"] + dec_wall),
-                   "cpu_ratio_with_decode": (cpu["transformers_ms"] + dec_cpu) / (cpu["ours_ms"] + dec_cpu)},
+                   "ratio_with_decode": (w["transformers_ms"] + dec_wall) / (w["ours_ms"] + dec_wall),
+                   "cpu_ratio_with_decode": (c["transformers_ms"] + dec_cpu) / (c["ours_ms"] + dec_cpu)},
     }
     if args.threads > 0:
         result["threads"] = batch_threads(ref, ours, images, args.threads, args.rounds)

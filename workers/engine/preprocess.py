@@ -4,17 +4,22 @@ The reference (`Qwen2VLImageProcessorPil`) copies the image to numpy and back to
 `smart_resize`'s size, rescales in float64 (`uint8 * 1/255`, cast to float32), normalises in float32
 (`(x - mean) / std`, on a transposed view), patchifies with a numpy reshape copy and concatenates. The per-pixel
 arithmetic depends only on (channel, byte value), so we tabulate it once: a 3×256 float32 table built with exactly
-those numpy operations. Per image we do the same PIL resize, then, one band of patch*merge rows at a time, look
-every pixel up in the table (float32 planes that stay in cache) and copy the band into patch order, straight into
-the batch's output buffer.
+those numpy operations.
 
-The resize is the floor. Bit-exact output needs PIL's two-pass bicubic with 22-bit fixed-point weights, and PIL's
-scalar C loop is about 30% of the reference's CPU time on the benchmark set (141 of 443 ms in one run), so on one
-core this path cannot be more than ~3.1-3.5× faster than transformers whatever the rest costs. Faster resamplers
-within reach are not exact (torch's uint8 AVX2 antialias kernel takes ~9 ms instead of ~30 ms at 1080p but is off
-by one in ~0.5% of values) or not faster (exact torch versions, a banded float32 GEMM with split weights or an
-embedding_bag, are slower than PIL). More throughput comes from images in parallel: PIL's resize and numpy's take
-and copyto release the GIL.
+Two paths give the same bits. The native one (the default where the C extension is built; `NATIVE` says which is
+active, resample.py why) does an image in one C call with the GIL released: Pillow's two-pass bicubic resize
+redone exactly (same 22-bit fixed-point weights, same 8-bit intermediate, same choice of first pass; AVX2 where
+the CPU has it), then, one band of patch*merge output rows at a time, the table lookup and the patch order,
+written straight into the batch's output buffer. The fallback (`native=False`) does PIL's resize, then per band
+the lookup with numpy (float32 planes that stay in cache) and a strided copy into patch order.
+
+On one core, scripts/bench_preprocess.py measured the native path at 5.9× transformers' CPU time over its set
+(6.2× wall; 4.3× on 256², 5.1-6.8× from 448² to 1080p), on a machine busy with other work: re-measure on a quiet
+one. Of our time the C call is ~90%, half of it the resize and most of the rest writing the float32 output
+(4704 bytes per 14×14 patch, into fresh pages); copying the PIL image out is ~14%. The fallback stays near 2×:
+PIL's scalar resize alone is ~30% of the reference's time, which caps that path at ~3.1-3.5×. More throughput
+comes from images in parallel (an executor): the C call, PIL's resize and numpy's take and copyto all release
+the GIL.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ try:
 except ImportError as e:  # not built: no compiler at install time, or an unsupported platform
     _resample, _missing = None, f"the C extension was not built or cannot load ({e})"
 
-# (input (w, h), output (w, h)): orders differ on the first three (the last is on the boundary of the rule)
+# (input (w, h), output (w, h)): Pillow 13 runs the vertical pass first on the first two, older Pillow does not;
+# both run the horizontal one first on the last two (the last is on the boundary: dh == 2 * dw)
 _PROBES = [((40, 30), (80, 15)), ((82, 93), (67, 62)), ((40, 30), (20, 60)), ((50, 60), (40, 40))]
 ORDERS = (1, 0)  # 1: Pillow 13's choice of the first pass; 0: always horizontal first (Pillow < 13)
 
