@@ -112,9 +112,7 @@ def batches(builder, rng, opts: Options, clock: dict | None = None):
 def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.RowBuilder | None = None):
     """Answer loss (+ the training-only dense losses); with `builder`, each image's rows are packed into one
     sequence (data.pack_groups: the same loss, the image tokens through the LM once), else one row each."""
-    pixel_values = torch.cat([g.pixel_values for g in batch])
-    grids = torch.stack([g.grid_thw for g in batch])
-    feats = model.model.get_image_features(pixel_values, grids, return_dict=True).pooler_output
+    grids, feats = _image_features(model, batch)
     image_id = model.config.image_token_id
     if builder is not None:
         input_ids, labels, positions, visible = data.pack_groups(batch, builder, pad_id, _rope_index(model, image_id))
@@ -139,12 +137,24 @@ def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.Row
     hidden = out.last_hidden_state
     loss = _answer_loss(model.lm_head, hidden, labels)
     if aux:
-        dense = _aux_loss(model.aux, torch.cat(feats), hidden, labels, batch, firsts)
+        dense = _aux_loss(model.aux, feats, hidden, labels, batch, firsts)
         if where:
             middle = out.hidden_states[(len(out.hidden_states) - 1) // 2]  # after half of the LM's layers
             dense = dense + _where_loss(model.aux["where"], middle[firsts], mm_types[firsts].bool(), batch)
         loss = loss + aux_weight * dense
     return loss
+
+
+def _image_features(model, batch):
+    """(grid_thw [G, 3], the vision tower's output per image) for a batch of groups."""
+    grids = torch.stack([g.grid_thw for g in batch])
+    pixel_values = torch.cat([g.pixel_values for g in batch])
+    return grids, model.model.get_image_features(pixel_values, grids, return_dict=True).pooler_output
+
+
+def _token_loss(aux, feats, batch):
+    # the colour and shape under each image token, from the vision tower's output
+    return _split_ce(aux["token"](torch.cat(feats)), torch.cat([g.token_labels for g in batch]))
 
 
 def _rope_index(model, image_id):
@@ -157,8 +167,8 @@ def _rope_index(model, image_id):
 def _where_loss(head, hidden, is_image, batch):
     # which 3x3 cell each image token lies in, from the LM's own states halfway up (the rows of one image share
     # their image tokens' states, so only each image's first row is scored)
-    logits = head(hidden[is_image])
-    return torch.nn.functional.cross_entropy(logits, torch.cat([g.token_cells for g in batch]))
+    cells = [data.token_cells(int(g.grid_thw[1]) // 2, int(g.grid_thw[2]) // 2) for g in batch]
+    return torch.nn.functional.cross_entropy(head(hidden[is_image]), torch.cat(cells))
 
 
 AUX_CLASSES = (1 + len(shapes.COLOUR_NAMES), 1 + len(shapes.SHAPES))
@@ -167,10 +177,7 @@ VISION_BATCH = 8  # images per step and process in the vision-only phase
 
 def vision_loss(model, batch):
     """First phase: the colour and shape under each image token, from the vision tower alone (no LM)."""
-    pixel_values = torch.cat([g.pixel_values for g in batch])
-    grids = torch.stack([g.grid_thw for g in batch])
-    feats = model.model.get_image_features(pixel_values, grids, return_dict=True).pooler_output
-    return _split_ce(model.aux["token"](torch.cat(feats)), torch.cat([g.token_labels for g in batch]))
+    return _token_loss(model.aux, _image_features(model, batch)[1], batch)
 
 
 def aux_heads(hidden: int, where: bool = False) -> torch.nn.ModuleDict:
@@ -193,7 +200,7 @@ def _split_ce(logits, targets):
 def _aux_loss(aux, feats, hidden, labels, batch, firsts):
     # dense targets for the vision tower (per image token) and for the LM's reading of the layout (per cell,
     # from the hidden state that predicts the first answer token of each image's first row)
-    token_loss = _split_ce(aux["token"](feats), torch.cat([g.token_labels for g in batch]))
+    token_loss = _token_loss(aux, feats, batch)
     last_prompt = (labels[firsts] != data.IGNORE).int().argmax(1) - 1
     state = hidden[torch.tensor(firsts), last_prompt]
     cell_logits = aux["cell"](state).view(len(batch), 9, -1)
@@ -352,14 +359,8 @@ def evaluate_folder(target_dir: Path, draft_dir: Path | None, n: int, seed: int 
     answers = evaluate.greedy_answers(target, processor, examples)
     result = {"n": n, "seed": seed, "exact_match": evaluate.exact_match(examples, answers),
               "eval_seconds": round(time.time() - t0, 1)}
-    bands: dict[str, list[int]] = {}
-    for ex, a in zip(examples, answers, strict=True):
-        bands.setdefault(size_band(ex), []).append(int(a == ex.answer))
-    result["by_size"] = {k: [sum(v), len(v)] for k, v in sorted(bands.items())}
-    kinds: dict[str, list[int]] = {}
-    for ex, a in zip(examples, answers, strict=True):
-        kinds.setdefault(evaluate.question_kind(ex.question), []).append(int(a == ex.answer))
-    result["by_question"] = {k: [sum(v), len(v)] for k, v in sorted(kinds.items())}
+    result["by_size"] = _tally(examples, answers, size_band)
+    result["by_question"] = _tally(examples, answers, lambda ex: evaluate.question_kind(ex.question))
     pairs = list(zip(examples, answers, strict=True))
     caps = [int(a == ex.answer) for ex, a in pairs if ex.question == shapes.CAPTION_PROMPT]
     result["captions"] = [sum(caps), len(caps)]
@@ -370,6 +371,16 @@ def evaluate_folder(target_dir: Path, draft_dir: Path | None, n: int, seed: int 
         agree, total = evaluate.draft_agreement(target, draft, processor, builder, examples[:100], answers[:100])
         result["draft_agreement"] = [agree, total, round(agree / max(1, total), 4)]
     return result
+
+
+def _tally(examples, answers, key) -> dict[str, list[int]]:
+    """{key(example): [exact matches, examples]}, sorted by key."""
+    counts: dict[str, list[int]] = {}
+    for ex, a in zip(examples, answers, strict=True):
+        right_total = counts.setdefault(key(ex), [0, 0])
+        right_total[0] += int(a == ex.answer)
+        right_total[1] += 1
+    return dict(sorted(counts.items()))
 
 
 def write_demo_assets(out: Path, seed: int = DEMO_SEED) -> list[dict]:

@@ -30,6 +30,7 @@ def test_train_script_writes_loadable_folders(tmp_path):
         "--out", str(target_dir), "--draft-out", str(draft_dir), "--demo-dir", str(demo_dir),
         "--steps", "3", "--draft-steps", "2", "--warmup", "1", "--pool", "4", "--max-side", "84",
         "--eval-n", "0", "--log-every", "1", "--procs", "1",
+        "--vision-until", "0.4", "--packed", "1", "--where", "1",  # the options; the default rows: test below
     ])
     assert rc == 0
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",

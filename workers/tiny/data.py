@@ -25,7 +25,6 @@ class Group:
     num_image_tokens: int
     token_labels: torch.Tensor | None = None  # [num_image_tokens, 2]: colour, shape of each LM image token
     cell_labels: torch.Tensor | None = None  # [9, 2]: colour, shape in each grid cell (0 = nothing)
-    token_cells: torch.Tensor | None = None  # [num_image_tokens]: the 3x3 cell each LM image token's centre lies in
 
 
 class RowBuilder:
@@ -90,9 +89,7 @@ def make_group(builder: RowBuilder, rng: np.random.Generator, questions_per_imag
             pair = shapes.pick_question(scene, rng, caption_prob=0.0)
             if pair not in qa:
                 qa.append(pair)
-    rows, cols = int(grid[1]) // 2, int(grid[2]) // 2
-    return Group(out["pixel_values"], grid, [builder.row(q, a, n) for q, a in qa], qa, n, tokens, cells,
-                 token_cells(rows, cols))
+    return Group(out["pixel_values"], grid, [builder.row(q, a, n) for q, a in qa], qa, n, tokens, cells)
 
 
 def token_cells(rows: int, cols: int) -> torch.Tensor:
