@@ -51,11 +51,6 @@ class StreamingBackend(Backend):
 
         A failure of one request is returned in its slot, not raised."""
 
-    @property
-    @abstractmethod
-    def busy(self) -> bool:
-        """Whether started requests have not finished yet."""
-
     def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
         handles = [self.start(r) for r in requests]
         results: dict[str, GenOutput | Exception] = {}

@@ -35,10 +35,6 @@ class EngineBackend(StreamingBackend):
         self._live[handle] = request
         return handle
 
-    @property
-    def busy(self) -> bool:
-        return bool(self._live)
-
     def step(self) -> list[tuple[str, GenOutput | Exception]]:
         if self._num_steps % self.cancel_poll_every == 0:
             for handle in [h for h, r in self._live.items() if h not in self._aborted and is_canceled(r)]:
