@@ -23,13 +23,17 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     restore sweep runs every quarter of it instead of kombu's default ~100 s.
     """
     visibility_timeout = settings.visibility_timeout
+    restore_interval = max(1, min(10, visibility_timeout // 4))
     transport = {
         "priority_steps": PRIORITY_STEPS,
         "sep": ":",
         "queue_order_strategy": "priority",
         "visibility_timeout": visibility_timeout,
-        "unacked_restore_interval": max(1, min(10, visibility_timeout // 4)),
+        "unacked_restore_interval": restore_interval,
         "unacked_restore_throttle": 1,
+        # the restore sweep holds this lock for milliseconds; kombu's 300 s default means a worker killed
+        # while holding it stops every restore for five minutes (the sweep is transactional without it)
+        "unacked_mutex_expire": max(5, 2 * restore_interval),
         "socket_connect_timeout": 3,
         "max_retries": 1,
     }

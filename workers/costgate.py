@@ -2,19 +2,20 @@
 
 Celery with ``worker_disable_prefetch`` stops fetching when the pool is full;
 this goes further. It sums the class cost bounds of the messages the worker
-holds and issues its Redis ``BRPOP`` only over the queues whose bound fits the
-rest of the budget. Messages that do not fit are never popped: they stay in
+holds and pops (atomically, see ``redispop``) only from the queues whose bound
+fits the rest of the budget. Messages that do not fit are never popped: they stay in
 Redis, visible to other workers and to queue-length autoscalers.
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping
 from types import MethodType
 from typing import Any
 
 from celery import bootsteps
+
+from vlmq.workers import redispop
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +48,14 @@ def _held_queues() -> list[str]:
     return [(r.delivery_info or {}).get("routing_key", "") for r in list(state.reserved_requests)]
 
 
-def _gated_brpop(channel: Any, fitting: Callable[[], set[str]]) -> Callable[..., None]:
-    """kombu's Redis ``Channel._brpop_start`` restricted to the queues that fit."""
-    def brpop_start(self: Any, timeout: float | None = None) -> None:
+def _gated_keys(fitting: Callable[[], set[str]]) -> Callable[[Any], list[str]]:
+    """The Redis keys to pop from: kombu's queue cycle restricted to the queues that fit, by priority."""
+    def queue_keys(channel: Any) -> list[str]:
         allowed = fitting()
-        queues = [q for q in self._queue_cycle.consume(len(self.active_queues)) if q in allowed]
-        if not queues:
-            return
-        keys = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in queues]
-        command = ["BRPOP", *keys, (self.brpop_timeout if timeout is None else timeout) or 0]
-        if self.global_keyprefix:
-            command = self.client._prefix_args(command)
-        self._in_poll = self.client.connection
-        self._brpop_sent_at = time.monotonic()
-        self.client.connection.send_command(*command)
+        queues = [q for q in channel._queue_cycle.consume(len(channel.active_queues)) if q in allowed]
+        return [channel._q_for_pri(q, pri) for pri in channel.priority_steps for q in queues]
 
-    return MethodType(brpop_start, channel)
+    return queue_keys
 
 
 class CostGate(bootsteps.StartStopStep):
@@ -73,7 +66,7 @@ class CostGate(bootsteps.StartStopStep):
     def start(self, c: Any) -> None:
         budget: CostBudget = c.app.vlmq_budget
         channel = c.task_consumer.channel
-        if not hasattr(channel, "_brpop_start"):
+        if not hasattr(channel, "_brpop_start") or not hasattr(channel, "handlers"):
             raise RuntimeError("the vlmq cost gate needs the Redis transport")
 
         def fitting() -> set[str]:
@@ -81,5 +74,5 @@ class CostGate(bootsteps.StartStopStep):
 
         original = channel.qos.can_consume
         channel.qos.can_consume = MethodType(lambda qos: bool(fitting()) and original(), channel.qos)
-        channel._brpop_start = _gated_brpop(channel, fitting)
+        redispop.install(channel, _gated_keys(fitting))
         log.info("cost gate on: budget %d over %s", budget.budget, budget.queue_costs)

@@ -1,6 +1,8 @@
 """Fault injection: 300 jobs through three workers that are SIGKILLed and restarted mid-batch."""
 from __future__ import annotations
 
+import base64
+import json
 import random
 import signal
 import time
@@ -11,6 +13,7 @@ from test_pool import png
 from workerproc import WorkerProcess
 
 from vlmq.client import Client
+from vlmq.errors import JobTimeout
 from vlmq.jobs import JobStatus
 from vlmq.settings import Settings
 
@@ -44,7 +47,10 @@ def test_every_job_finishes_exactly_once_while_workers_are_killed(redis_url: str
                 workers[i].proc.wait()
                 kills += 1
                 workers[i] = WorkerProcess(settings, tmp_path / f"w{i}-{kills}.log", "--name", f"w{i}")
-            results = [job.result(timeout=900) for job in jobs]
+            try:
+                results = [job.result(timeout=900) for job in jobs]
+            except JobTimeout:
+                pytest.fail(_whereabouts(client, jobs, workers, tmp_path))
             assert {job.status() for job in jobs} == {JobStatus.FINISHED}
             assert all(len(r.token_ids) == 48 for r in results)
             listed = client.storage.client.list_objects_v2(Bucket="vlmq-test", Prefix=f"{prefix}/results/")
@@ -56,3 +62,24 @@ def test_every_job_finishes_exactly_once_while_workers_are_killed(redis_url: str
     finally:
         for w in workers:
             w.stop()
+
+
+def _whereabouts(client: Client, jobs: list, workers: list[WorkerProcess], tmp_path: Path) -> str:
+    """For each unfinished job: its record, whether its message is queued or unacked, and the log lines naming it."""
+    r = client.redis
+    messages = [m for key in r.keys("vlmq.tiny-shapes.*") for m in r.lrange(key, 0, -1)] + r.hvals("unacked")
+    lines = []
+    for job in jobs:
+        if job.status() == JobStatus.FINISHED:
+            continue
+        held = [m for m in messages if job.id.encode() in _body(m)]
+        logs = [ln for f in sorted(tmp_path.glob("*.log")) for ln in f.read_text(errors="replace").splitlines()
+                if job.id in ln]
+        lines.append(f"{job.id}: {job.info()}; messages holding it: {len(held)}; log: {logs}")
+    alive = [w.alive() for w in workers]
+    return f"{len(lines)} jobs unfinished (workers alive: {alive}):\n" + "\n".join(lines[:20])
+
+
+def _body(stored: bytes) -> bytes:
+    message = json.loads(stored)  # a queued message, or an unacked entry [message, exchange, routing_key]
+    return base64.b64decode((message[0] if isinstance(message, list) else message)["body"])
