@@ -15,8 +15,9 @@ from vlmq.errors import InvalidRequest
 from vlmq.settings import Settings
 
 BUNDLED_MODEL = "tiny-shapes"
-# Must equal workers/assets/tiny-shapes/preprocessor_config.json (a test checks).
-TINY_SHAPES_POLICY = ResolutionPolicy(min_pixels=56 * 56, max_pixels=1024 * 1024)
+# Must equal workers/assets/tiny-shapes/preprocessor_config.json (a test checks). The 168x168 minimum area
+# gives every image at least three tokens per side, so the task's 3x3 cells fall on the token grid.
+TINY_SHAPES_POLICY = ResolutionPolicy(min_pixels=168 * 168, max_pixels=1024 * 1024)
 
 
 @dataclass(frozen=True, slots=True)

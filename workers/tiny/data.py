@@ -68,19 +68,22 @@ TRAIN_BANDS = (0.72, 0.94, 0.985)
 
 
 def make_group(builder: RowBuilder, rng: np.random.Generator, questions_per_image: int = 2,
-               max_side: int | None = None) -> Group:
+               max_side: int | None = None, on_grid: bool = True, balanced: bool = False) -> Group:
     size = None
     if max_side is not None:
         size = tuple(int(v) for v in rng.integers(shapes.MIN_SIDE, max_side + 1, size=2))
     scene = shapes.sample_scene(rng, size, bands=TRAIN_BANDS)
     boxes: list = []
-    image = shapes.render(scene, rng, boxes)
+    image = shapes.render(scene, rng, boxes, on_grid=on_grid)
     out = builder.processor.image_processor(images=[image], return_tensors="pt")
     grid = out["image_grid_thw"][0]
     n = int(grid.prod()) // 4
     tokens, cells = region_labels(scene, boxes, int(grid[1]) // 2, int(grid[2]) // 2)
     if questions_per_image == 1:
         qa = [shapes.pick_question(scene, rng, caption_prob=0.5)]
+    elif balanced:  # a caption, then questions spread over the question kinds
+        qa = [(shapes.CAPTION_PROMPT, shapes.caption(scene)), *shapes.balanced_questions(scene, rng,
+                                                                                         questions_per_image - 1)]
     else:  # a caption, then questions
         qa = [(shapes.CAPTION_PROMPT, shapes.caption(scene))]
         for _ in range(4 * questions_per_image):  # distinct questions (a repeat could be answered from the text)

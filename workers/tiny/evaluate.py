@@ -43,15 +43,6 @@ def _decode_batch(model, processor, batch, answers, indices, max_new_tokens) -> 
         answers[j] = text.strip()
 
 
-def question_kind(question: str) -> str:
-    """caption, count, colour, shape_at, where or presence (for accuracy tables)."""
-    for prefix, kind in (("Describe", "caption"), ("How many", "count"), ("What colour", "colour"),
-                         ("What shape", "shape_at"), ("Where", "where"), ("Is there", "presence")):
-        if question.startswith(prefix):
-            return kind
-    return "other"
-
-
 def exact_match(examples, answers) -> float:
     return sum(a == ex.answer for ex, a in zip(examples, answers, strict=True)) / max(1, len(examples))
 

@@ -1,0 +1,55 @@
+"""The synthetic shapes task: deterministic, and every shape drawn on the bundled model's token grid."""
+from __future__ import annotations
+
+import numpy as np
+
+from vlmq.cost import smart_resize
+from vlmq.models import TINY_SHAPES_POLICY
+from vlmq.workers.tiny import shapes
+
+TOKEN = 28
+
+
+def test_the_same_seed_gives_the_same_example() -> None:
+    a, b = shapes.make_example((5, 3)), shapes.make_example((5, 3))
+    assert a.image.tobytes() == b.image.tobytes() and (a.question, a.answer) == (b.question, b.answer)
+    assert shapes.make_example((5, 4)).image.tobytes() != a.image.tobytes()
+
+
+def test_each_shape_sits_in_its_cell_on_a_token_corner_or_centre() -> None:
+    rng = np.random.default_rng(0)
+    seen = {"corner": 0, "centre": 0}
+    for _ in range(300):
+        scene = shapes.sample_scene(rng)
+        height, width = smart_resize(scene.height, scene.width, TINY_SHAPES_POLICY)
+        rows, cols = height // TOKEN, width // TOKEN
+        assert rows >= 3 and cols >= 3
+        for s, (x0, y0, x1, y1) in zip(scene.shapes, shapes.layout(scene, rng), strict=True):
+            # the box in processed pixels
+            px0, px1 = x0 * width / scene.width, x1 * width / scene.width
+            py0, py1 = y0 * height / scene.height, y1 * height / scene.height
+            side, cx, cy = px1 - px0, (px0 + px1) / 2, (py0 + py1) / 2
+            assert abs((py1 - py0) - side) < 1e-6 and 15 <= side <= 48
+            row, col = divmod(s.cell, 3)
+            assert round(row * rows / 3) * TOKEN <= py0 and py1 <= round((row + 1) * rows / 3) * TOKEN
+            assert round(col * cols / 3) * TOKEN <= px0 and px1 <= round((col + 1) * cols / 3) * TOKEN
+            offset = 0.0 if side > TOKEN else TOKEN / 2  # big shapes centre on a corner, small ones on a token
+            assert abs((cx - offset) / TOKEN - round((cx - offset) / TOKEN)) * TOKEN <= 2
+            assert abs((cy - offset) / TOKEN - round((cy - offset) / TOKEN)) * TOKEN <= 2
+            seen["corner" if side > TOKEN else "centre"] += 1
+    assert min(seen.values()) > 50
+
+
+def test_shapes_are_drawn_in_their_colour_and_listed_in_reading_order() -> None:
+    for i in range(40):
+        rng = np.random.default_rng((11, i))
+        scene = shapes.sample_scene(rng)
+        boxes: list = []
+        pixels = np.asarray(shapes.render(scene, rng, boxes)).astype(int)
+        assert [b[4] for b in boxes] == list(scene.shapes)
+        for x0, y0, x1, y1, s in boxes:
+            centre = pixels[int((y0 + y1) / 2), int((x0 + x1) / 2)]
+            assert np.abs(centre - np.array(shapes.COLOURS[s.colour])).max() <= 16, (s, centre)
+        cells = [s.cell for s in scene.shapes]
+        assert cells == sorted(cells)
+        assert shapes.caption(scene).count(" at the ") == len(scene.shapes)
