@@ -53,3 +53,30 @@ def test_shapes_are_drawn_in_their_colour_and_listed_in_reading_order() -> None:
         cells = [s.cell for s in scene.shapes]
         assert cells == sorted(cells)
         assert shapes.caption(scene).count(" at the ") == len(scene.shapes)
+
+
+def test_balanced_questions_spread_over_the_kinds_and_never_repeat() -> None:
+    kinds: dict[str, int] = {}
+    for i in range(200):
+        rng = np.random.default_rng((12, i))
+        scene = shapes.sample_scene(rng)
+        picked = shapes.balanced_questions(scene, rng, 5)
+        assert len(picked) == 5 and len(set(picked)) == 5
+        assert all(pair in shapes.questions(scene)[1:] or pair[0].startswith("Is there") for pair in picked)
+        for question, _ in picked:
+            kind = shapes.question_kind(question)
+            kinds[kind] = kinds.get(kind, 0) + 1
+    assert "caption" not in kinds and set(kinds) == {"count", "colour", "shape_at", "where", "presence"}
+    assert max(kinds.values()) < 2 * min(kinds.values())  # the plain sampler gives "shape at" most of them
+
+
+def test_off_grid_shapes_stay_inside_their_geometric_cell() -> None:
+    for i in range(40):
+        rng = np.random.default_rng((13, i))
+        scene = shapes.sample_scene(rng)
+        boxes: list = []
+        shapes.render(scene, rng, boxes, on_grid=False)
+        for x0, y0, x1, y1, s in boxes:
+            row, col = divmod(s.cell, 3)
+            assert col * scene.width / 3 <= x0 and x1 <= (col + 1) * scene.width / 3
+            assert row * scene.height / 3 <= y0 and y1 <= (row + 1) * scene.height / 3
