@@ -460,7 +460,7 @@ def _phases_sentence(opts: Options) -> str:
                  "target (more images a step, no LM).")
     if opts.packed:
         text += (" An image's rows are packed into one sequence: its tokens go through the LM once and each row "
-                 "attends to them and to itself (the same loss as separate rows, nearly twice the images in the time).")
+                 "attends to them and to itself (the same loss as separate rows).")
     return text
 
 

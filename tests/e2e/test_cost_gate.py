@@ -1,6 +1,7 @@
 """A worker holds only what fits its budget; the rest stays in Redis for other workers."""
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from workerproc import WorkerProcess
 from vlmq.client import Client
 from vlmq.jobs import JobStatus
 from vlmq.settings import Settings
+from vlmq.workers import redispop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -21,6 +23,7 @@ def test_worker_reserves_only_within_its_budget(redis_url: str, s3_server, tmp_p
 
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
+    r.script_flush()  # below: the worker popped with vlmq's atomic pop script, not kombu's BRPOP
     # xs costs 256 + 2048 = 2304 tokens, m costs 4096 + 2048: a 4608 budget holds two xs jobs and never an m job
     settings = Settings(broker_url=redis_url, storage_url="s3://vlmq-test/e2e-gate", s3_endpoint_url=s3_server.url,
                         worker_budget=4608)
@@ -50,3 +53,4 @@ def test_worker_reserves_only_within_its_budget(redis_url: str, s3_server, tmp_p
         assert big.status() is JobStatus.QUEUED
         assert client.queue_depth("tiny-shapes", "m") == 1, "the m job must stay in Redis, visible to other workers"
         assert client.queue_depth("tiny-shapes", "xs") == 0
+        assert r.script_exists(hashlib.sha1(redispop.POP_SCRIPT.encode()).hexdigest()) == [True]

@@ -7,7 +7,7 @@ from vlmq.cost import smart_resize
 from vlmq.models import TINY_SHAPES_POLICY
 from vlmq.workers.tiny import shapes
 
-TOKEN = 28
+TOKEN = TINY_SHAPES_POLICY.factor
 
 
 def test_the_same_seed_gives_the_same_example() -> None:
@@ -31,8 +31,8 @@ def test_each_shape_sits_in_its_cell_on_a_token_corner_or_centre() -> None:
             side, cx, cy = px1 - px0, (px0 + px1) / 2, (py0 + py1) / 2
             assert abs((py1 - py0) - side) < 1e-6 and 15 <= side <= 48
             row, col = divmod(s.cell, 3)
-            assert round(row * rows / 3) * TOKEN <= py0 and py1 <= round((row + 1) * rows / 3) * TOKEN
-            assert round(col * cols / 3) * TOKEN <= px0 and px1 <= round((col + 1) * cols / 3) * TOKEN
+            (r0, r1), (c0, c1) = shapes.cell_edges(rows)[row: row + 2], shapes.cell_edges(cols)[col: col + 2]
+            assert r0 * TOKEN <= py0 and py1 <= r1 * TOKEN and c0 * TOKEN <= px0 and px1 <= c1 * TOKEN
             offset = 0.0 if side > TOKEN else TOKEN / 2  # big shapes centre on a corner, small ones on a token
             assert abs((cx - offset) / TOKEN - round((cx - offset) / TOKEN)) * TOKEN <= 2
             assert abs((cy - offset) / TOKEN - round((cy - offset) / TOKEN)) * TOKEN <= 2

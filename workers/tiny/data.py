@@ -96,12 +96,15 @@ def make_group(builder: RowBuilder, rng: np.random.Generator, questions_per_imag
 
 
 def token_cells(rows: int, cols: int) -> torch.Tensor:
-    """The 3x3 cell (0 = top left ... 8 = bottom right) holding the centre of each token of a rows x cols grid.
+    """The 3x3 cell (0 = top left ... 8 = bottom right) of each token of a rows x cols grid (shapes.cell_edges).
 
     Image tokens carry no absolute position (RoPE is relative, backgrounds are uniform): the LM has to
     work out where a token sits relative to the image's size, which this auxiliary target teaches."""
-    r = ((torch.arange(rows) + 0.5) * 3 / rows).long().clamp(max=2)
-    c = ((torch.arange(cols) + 0.5) * 3 / cols).long().clamp(max=2)
+    def cell_index(n: int) -> torch.Tensor:
+        inner = shapes.cell_edges(n)[1:3]
+        return torch.tensor([sum(i >= e for e in inner) for i in range(n)])
+
+    r, c = cell_index(rows), cell_index(cols)
     return (r[:, None] * 3 + c[None, :]).reshape(-1)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from vlmq.cost import ResolutionPolicy, smart_resize
+from vlmq.cost import smart_resize
 from vlmq.models import TINY_SHAPES_POLICY
 
 SHAPES = ("circle", "square", "triangle")
@@ -136,10 +136,15 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, box: tuple[float, float, f
         draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=rgb)
 
 
-TOKEN = 28  # px of one LM image token in the processed image (patch 14 x merge 2)
+TOKEN = TINY_SHAPES_POLICY.factor  # px of one LM image token in the processed image (patch 14 x merge 2)
 
 
-def layout(scene: Scene, rng: np.random.Generator, policy: ResolutionPolicy | None = None) -> list[tuple]:
+def cell_edges(n: int) -> list[int]:
+    """Token indices where the 3 rows (or columns) of cells start and end on an axis of n tokens."""
+    return [round(i * n / 3) for i in range(4)]
+
+
+def layout(scene: Scene, rng: np.random.Generator) -> list[tuple]:
     """Each shape's box (x0, y0, x1, y1) in image pixels, placed on the model's token grid.
 
     The processor resizes the image to a grid of 28 px tokens; the 3x3 cells are split along token
@@ -149,13 +154,12 @@ def layout(scene: Scene, rng: np.random.Generator, policy: ResolutionPolicy | No
     straddling tokens at arbitrary offsets it did not (scripts/probe_vision.py, the tower alone for 3
     minutes on one core, images up to 224 px: 96% of shapes right on the grid, 69% off it).
     Falls back to geometric cells when the token grid is under 3x3."""
-    height, width = smart_resize(scene.height, scene.width, policy or TINY_SHAPES_POLICY)
+    height, width = smart_resize(scene.height, scene.width, TINY_SHAPES_POLICY)
     rows, cols = height // TOKEN, width // TOKEN
     if rows < 3 or cols < 3:
         return _geometric_layout(scene, rng)
     sx, sy = scene.width / width, scene.height / height  # image px per processed px
-    row_edges = [round(i * rows / 3) for i in range(4)]
-    col_edges = [round(i * cols / 3) for i in range(4)]
+    row_edges, col_edges = cell_edges(rows), cell_edges(cols)
     boxes = []
     for s in scene.shapes:
         row, col = divmod(s.cell, 3)
@@ -185,8 +189,7 @@ def _geometric_layout(scene: Scene, rng: np.random.Generator) -> list[tuple]:
     return boxes
 
 
-def render(scene: Scene, rng: np.random.Generator, boxes: list | None = None,
-           policy: ResolutionPolicy | None = None, on_grid: bool = True) -> Image.Image:
+def render(scene: Scene, rng: np.random.Generator, boxes: list | None = None, on_grid: bool = True) -> Image.Image:
     """Draw the scene; if `boxes` is given, append (x0, y0, x1, y1, shape) per shape (training labels).
 
     on_grid=False draws shapes at any offset in geometric cells, sized with the cell (scripts/probe_vision.py
@@ -198,7 +201,7 @@ def render(scene: Scene, rng: np.random.Generator, boxes: list | None = None,
         bg += rng.normal(0.0, scene.noise, size=(h, w, 3)).astype(np.float32)
     img = Image.fromarray(np.clip(bg, 0, 255).astype(np.uint8), "RGB")
     draw = ImageDraw.Draw(img)
-    placed = layout(scene, rng, policy) if on_grid else _geometric_layout(scene, rng)
+    placed = layout(scene, rng) if on_grid else _geometric_layout(scene, rng)
     for s, box in zip(scene.shapes, placed, strict=True):
         jitter = rng.integers(-15, 16, size=3)
         rgb = tuple(int(v) for v in np.clip(np.array(COLOURS[s.colour]) + jitter, 0, 255))
