@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vlmq.workers.engine.preprocess import ImagePreprocessor
 from vlmq.workers.tiny import shapes
 
 IGNORE = -100
@@ -18,12 +19,12 @@ IGNORE = -100
 
 @dataclass(slots=True)
 class Group:
-    pixel_values: torch.Tensor  # [num_patches, 3 * 2 * 14 * 14]
+    pixel_values: torch.Tensor  # [num_patches, 3 * 2 * patch * patch]
     grid_thw: torch.Tensor  # [3]
     rows: list[tuple[list[int], list[int]]]  # (input_ids, labels) per question
     qa: list[tuple[str, str]]  # (question, answer) per row
     num_image_tokens: int
-    token_labels: torch.Tensor | None = None  # [num_image_tokens, 2]: colour, shape of each LM image token
+    token_labels: torch.Tensor | None = None  # [num_image_tokens, 3]: colour, shape, cell + 1 of each LM image token
     cell_labels: torch.Tensor | None = None  # [9, 2]: colour, shape in each grid cell (0 = nothing)
 
 
@@ -44,6 +45,9 @@ class RowBuilder:
         self.mid, self.suffix = (s for s in after.split("@Q@"))
         self.tok = tok
         self._cache: dict[str, list[int]] = {}
+        # the engine's preprocessing: the processor's pixel_values bit for bit (tests/engine/test_preprocess.py),
+        # several times faster, which buys the training run more images
+        self.images = ImagePreprocessor.from_preprocessor_config(processor.image_processor.to_dict())
 
     def _ids(self, text: str) -> list[int]:
         if text not in self._cache:
@@ -68,15 +72,20 @@ TRAIN_BANDS = (0.72, 0.94, 0.985)
 
 
 def make_group(builder: RowBuilder, rng: np.random.Generator, questions_per_image: int = 2,
-               max_side: int | None = None, on_grid: bool = True, balanced: bool = False) -> Group:
-    size = None
+               max_side: int | None = None, on_grid: bool = True, balanced: bool = False,
+               size_rng: np.random.Generator | None = None) -> Group:
+    """One image and its rows; the image's size comes from `size_rng` when given (data-parallel training gives
+    every rank the same size stream, so their steps cost the same), the rest from `rng`."""
+    size_rng = rng if size_rng is None else size_rng
     if max_side is not None:
-        size = tuple(int(v) for v in rng.integers(shapes.MIN_SIDE, max_side + 1, size=2))
+        size = tuple(int(v) for v in size_rng.integers(shapes.MIN_SIDE, max_side + 1, size=2))
+    else:
+        size = shapes.sample_size(size_rng, TRAIN_BANDS)
     scene = shapes.sample_scene(rng, size, bands=TRAIN_BANDS)
     boxes: list = []
     image = shapes.render(scene, rng, boxes, on_grid=on_grid)
-    out = builder.processor.image_processor(images=[image], return_tensors="pt")
-    grid = out["image_grid_thw"][0]
+    pixel_values, grids = builder.images([image])
+    grid = grids[0]
     n = int(grid.prod()) // 4
     tokens, cells = region_labels(scene, boxes, int(grid[1]) // 2, int(grid[2]) // 2)
     if questions_per_image == 1:
@@ -92,7 +101,7 @@ def make_group(builder: RowBuilder, rng: np.random.Generator, questions_per_imag
             pair = shapes.pick_question(scene, rng, caption_prob=0.0)
             if pair not in qa:
                 qa.append(pair)
-    return Group(out["pixel_values"], grid, [builder.row(q, a, n) for q, a in qa], qa, n, tokens, cells)
+    return Group(pixel_values, grid, [builder.row(q, a, n) for q, a in qa], qa, n, tokens, cells)
 
 
 def token_cells(rows: int, cols: int) -> torch.Tensor:
@@ -113,13 +122,13 @@ def _class_ids(shape: shapes.Shape) -> tuple[int, int]:
 
 
 def region_labels(scene: shapes.Scene, boxes: list, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per LM image token (rows x cols grid over the image): the colour/shape covering most of it (0: none);
-    per 3x3 cell: the colour/shape in it. Auxiliary training targets only."""
+    """Per LM image token (rows x cols grid over the image): the colour, shape and cell + 1 of the shape covering
+    most of it (0: none); per 3x3 cell: the colour/shape in it. Auxiliary training targets only."""
     tw, th = scene.width / cols, scene.height / rows
-    tokens = torch.zeros((rows * cols, 2), dtype=torch.long)
+    tokens = torch.zeros((rows * cols, 3), dtype=torch.long)
     best = torch.zeros(rows * cols)
     for x0, y0, x1, y1, shape in boxes:
-        ids = torch.tensor(_class_ids(shape))
+        ids = torch.tensor((*_class_ids(shape), 1 + shape.cell))
         for r in range(max(0, int(y0 // th)), min(rows, int(y1 // th) + 1)):
             for c in range(max(0, int(x0 // tw)), min(cols, int(x1 // tw) + 1)):
                 ow = min(x1, (c + 1) * tw) - max(x0, c * tw)
