@@ -15,9 +15,10 @@ from vlmq.errors import InvalidRequest
 from vlmq.settings import Settings
 
 BUNDLED_MODEL = "tiny-shapes"
-# Must equal workers/assets/tiny-shapes/preprocessor_config.json (a test checks). The 168x168 minimum area
-# gives every image at least three tokens per side, so the task's 3x3 cells fall on the token grid.
-TINY_SHAPES_POLICY = ResolutionPolicy(min_pixels=168 * 168, max_pixels=1024 * 1024)
+# Must equal workers/assets/tiny-shapes/preprocessor_config.json (a test checks). Patches of 28 px (tokens of
+# 56 px) keep the tiny model's sequences short: a 1024x1024 image is 18x18 tokens. The 224x224 minimum area
+# gives every image up to 3:1 at least three tokens per side, so the task's 3x3 cells fall on the token grid.
+TINY_SHAPES_POLICY = ResolutionPolicy(patch_size=28, min_pixels=224 * 224, max_pixels=1024 * 1024)
 
 
 @dataclass(frozen=True, slots=True)

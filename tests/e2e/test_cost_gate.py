@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from test_pool import png
-from workerproc import WorkerProcess
+from workerproc import TINY_CLASSES, WorkerProcess
 
 from vlmq.client import Client
 from vlmq.jobs import JobStatus
@@ -24,9 +24,10 @@ def test_worker_reserves_only_within_its_budget(redis_url: str, s3_server, tmp_p
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     r.script_flush()  # below: the worker popped with vlmq's atomic pop script, not kombu's BRPOP
-    # xs costs 256 + 2048 = 2304 tokens, m costs 4096 + 2048: a 4608 budget holds two xs jobs and never an m job
+    # with 128 text tokens a job, xs costs 64 + 128 = 192 tokens and m 1024 + 128: a 384 budget holds two xs jobs
+    # and never the m job (a 1000 x 1000 image, 324 vision tokens)
     settings = Settings(broker_url=redis_url, storage_url="s3://vlmq-test/e2e-gate", s3_endpoint_url=s3_server.url,
-                        worker_budget=4608)
+                        cost_classes=TINY_CLASSES, text_token_bound=128, worker_budget=384)
     with Client(settings=settings) as client:
         big = client.submit(png(1000, 1000, 1), "Describe the image.")
         small = [client.submit(png(200, 150, i), "Describe the image.", max_new_tokens=32) for i in range(12)]

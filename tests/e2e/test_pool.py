@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from workerproc import WorkerProcess
+from workerproc import TINY_CLASSES, WorkerProcess
 
 from vlmq.client import Client
 from vlmq.jobs import JobStatus
@@ -14,7 +14,7 @@ from vlmq.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-# (width, height) -> expected cost class for tiny-shapes (max 1024x1024 pixels)
+# (width, height) -> expected cost class for tiny-shapes under TINY_CLASSES (20, 24, 77, 154, 324, 288 tokens)
 SIZES = {(96, 80): "xs", (320, 240): "xs", (600, 400): "s", (800, 640): "s", (1000, 1000): "m", (1024, 900): "m"}
 
 
@@ -33,7 +33,8 @@ def pool(redis_url: str, s3_server,
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()
-    settings = Settings(broker_url=redis_url, storage_url="s3://vlmq-test/e2e-pool", s3_endpoint_url=s3_server.url)
+    settings = Settings(broker_url=redis_url, storage_url="s3://vlmq-test/e2e-pool", s3_endpoint_url=s3_server.url,
+                        cost_classes=TINY_CLASSES)
     worker = WorkerProcess(settings, tmp_path_factory.mktemp("pool") / "worker.log", "--name", "e2e-worker")
     try:
         worker.wait_ready()

@@ -9,6 +9,10 @@ from pathlib import Path
 
 from vlmq.settings import Settings
 
+# Cost classes scaled to the bundled model, whose images are at most 18 x 18 = 324 tokens (the defaults are sized
+# for real Qwen2-VL checkpoints and would put every tiny-shapes image in xs or s).
+TINY_CLASSES = "xs=64,s=256,m=1024,l=4096,xl"
+
 
 class WorkerProcess:
     """``python -m vlmq.workers.main`` (or another ``entry``: a script) as a child process, logging to a file."""

@@ -190,13 +190,13 @@ def test_backend_recovers_from_a_failed_step(model_dir, workload, reference, mon
 def test_encoder_budget_fits_the_largest_image_the_processor_emits(tmp_path):
     import json
 
-    # the tiny model's processor allows 2048 x 2048 here: 21,399 patches in one image, over the 16,384 default
+    # the tiny model's processor allows 150 x 150 patches here: 22,500 in one image, over the 16,384 default
     model_dir = Path(shutil.copytree(TARGET, tmp_path / "big-images"))
     config_path = model_dir / "preprocessor_config.json"
     config = json.loads(config_path.read_text())
-    config["size"]["longest_edge"] = 2048 * 2048
+    config["size"]["longest_edge"] = (150 * config["patch_size"]) ** 2
     config_path.write_text(json.dumps(config))
-    assert Engine.from_model_dir(model_dir, num_blocks=8).config.max_num_encoder_patches == 2048 * 2048 // 14**2
+    assert Engine.from_model_dir(model_dir, num_blocks=8).config.max_num_encoder_patches == 150 * 150
     assert Engine.from_model_dir(TARGET, num_blocks=8).config.max_num_encoder_patches == 16_384  # default kept
     engine = Engine.from_model_dir(model_dir, num_blocks=8, max_num_encoder_patches=30_000)
     assert engine.config.max_num_encoder_patches == 30_000  # an explicit budget wins

@@ -36,12 +36,13 @@ def _queued_messages(client: Client, queue: str) -> list[dict]:
 
 
 def test_submit_writes_record_input_and_a_json_message_on_the_class_queue(client: Client) -> None:
-    job = client.submit(png(640, 480), "How many circles?", max_new_tokens=10, priority=2)
+    # tiny-shapes: 56-px tokens, at most 1024x1024 pixels (1008x1008 after resizing): 18 x 18 tokens, class s
+    job = client.submit(png(1000, 1000), "How many circles?", max_new_tokens=10, priority=2)
     info = job.info()
     assert job.status() is JobStatus.QUEUED
     assert info["cost_class"] == "s" and info["queue"] == "vlmq.tiny-shapes.s"
-    assert int(info["vision_tokens"]) == 17 * 23 and int(info["encoder_patches"]) == 4 * 17 * 23
-    assert client.storage.get(info["input_key"]) == png(640, 480)
+    assert int(info["vision_tokens"]) == 18 * 18 and int(info["encoder_patches"]) == 4 * 18 * 18
+    assert client.storage.get(info["input_key"]) == png(1000, 1000)
     [message] = _queued_messages(client, "vlmq.tiny-shapes.s")
     assert message["content-type"] == "application/json"
     assert message["headers"]["task"] == "vlmq.run_job"
@@ -124,7 +125,7 @@ def test_full_queue_raises_queue_full_or_waits_for_room(redis_client: object, re
         with pytest.raises(QueueFull):
             client.submit(png(), "Describe the image.", wait_for_room=0.5)
         assert 0.5 <= time.monotonic() - start < 3
-        client.submit(png(640, 480), "Describe the image.")  # class s has no limit
+        client.submit(png(1000, 1000), "Describe the image.")  # class s has no limit
         # a consumer takes one message: a waiting submit gets in
         threading.Timer(0.3, lambda: client.redis.rpop("vlmq.tiny-shapes.xs:5")).start()
         assert client.submit(png(), "Describe the image.", wait_for_room=5).status() is JobStatus.QUEUED

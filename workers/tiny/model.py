@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from transformers import Qwen2Config, Qwen2VLConfig
 
+from vlmq.models import TINY_SHAPES_POLICY
+
 VOCAB_SIZE = 448  # tokenizer has 421 tokens; the embedding table is padded to a multiple of 64
 
 
@@ -32,9 +34,9 @@ def target_config(token_ids: dict[str, int], hidden: int = 128, layers: int = 2,
         hidden_size=hidden,  # the merger projects into the LM's hidden size
         mlp_ratio=2,
         num_heads=vision_embed // 32,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
+        patch_size=TINY_SHAPES_POLICY.patch_size,  # the processor's, so one token covers policy.factor px
+        spatial_merge_size=TINY_SHAPES_POLICY.merge_size,
+        temporal_patch_size=TINY_SHAPES_POLICY.temporal_patch_size,
     )
     return Qwen2VLConfig(
         text_config=text,

@@ -136,7 +136,7 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, box: tuple[float, float, f
         draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=rgb)
 
 
-TOKEN = TINY_SHAPES_POLICY.factor  # px of one LM image token in the processed image (patch 14 x merge 2)
+TOKEN = TINY_SHAPES_POLICY.factor  # px of one LM image token in the processed image (patch x merge)
 
 
 def cell_edges(n: int) -> list[int]:
@@ -147,12 +147,13 @@ def cell_edges(n: int) -> list[int]:
 def layout(scene: Scene, rng: np.random.Generator) -> list[tuple]:
     """Each shape's box (x0, y0, x1, y1) in image pixels, placed on the model's token grid.
 
-    The processor resizes the image to a grid of 28 px tokens; the 3x3 cells are split along token
-    boundaries and each shape is centred where four tokens meet (each token shows one quarter of it, 31-48
-    px across in the processed image) or, in small-shape scenes and cells under two tokens wide, on one
-    token (15-24 px). A tiny ViT learns shapes seen in these few views within the training budget; shapes
-    straddling tokens at arbitrary offsets it did not (scripts/probe_vision.py, the tower alone for 3
-    minutes on one core, images up to 224 px: 96% of shapes right on the grid, 69% off it).
+    The processor resizes the image to a grid of TOKEN px tokens (56 px: patch 28, merge 2); the 3x3 cells are
+    split along token boundaries and each shape is centred where four tokens meet (each token shows one quarter of
+    it, 1.1-1.7 tokens across in the processed image) or, in small-shape scenes and cells under two tokens wide, on
+    one token (0.55-0.85 of it). A tiny ViT learns shapes seen in these few views within the training budget;
+    shapes straddling tokens at arbitrary offsets it did not (scripts/probe_vision.py, the tower alone for 3
+    minutes on one core, images up to 224 px, with the earlier 28 px tokens: 96% of shapes right on the grid, 69%
+    off it).
     Falls back to geometric cells when the token grid is under 3x3."""
     height, width = smart_resize(scene.height, scene.width, TINY_SHAPES_POLICY)
     rows, cols = height // TOKEN, width // TOKEN

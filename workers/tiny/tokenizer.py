@@ -62,9 +62,9 @@ IMAGE_PROCESSOR_CONFIG = {
     "do_convert_rgb": True,
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "patch_size": 14,
-    "merge_size": 2,
-    "temporal_patch_size": 2,
+    "patch_size": TINY_SHAPES_POLICY.patch_size,
+    "merge_size": TINY_SHAPES_POLICY.merge_size,
+    "temporal_patch_size": TINY_SHAPES_POLICY.temporal_patch_size,
     "size": {"shortest_edge": TINY_SHAPES_POLICY.min_pixels, "longest_edge": TINY_SHAPES_POLICY.max_pixels},
     "resample": 3,
 }
