@@ -71,7 +71,7 @@ class Options:
     mlp_mult: int = 2
     vision_depth: int = 3
     vision_embed: int = 64
-    rope_theta: float = 20.0  # high M-RoPE frequencies: a few-token shift in h or w is visible to attention
+    rope_theta: float = 10.0  # high M-RoPE frequencies: a one-token shift in h or w is visible to attention
     mrope: str = "4,6,6"  # frequency pairs per (t, h, w) axis; sums to head_dim / 2
     probe_every: int = 0  # 1: each log line adds the loss with each image's own vs another image's features
     aux_weight: float = 0.5  # weight of the training-only dense losses (0: answers only)
@@ -480,7 +480,7 @@ def write_model_cards(opts: Options, report: dict, argv: list[str]) -> None:
         min_side=math.isqrt(TINY_SHAPES_POLICY.min_pixels), patch=TINY_SHAPES_POLICY.patch_size,
         draft_params=report["draft_params"], small=opts.small_until,
         rows=_rows_sentence(opts), status=_status(report),
-        phases=_phases_sentence(opts), token=TINY_SHAPES_POLICY.factor,
+        phases=_phases_sentence(opts), token=TINY_SHAPES_POLICY.factor, theta=opts.rope_theta,
         summary=" Another names what each cell holds from the LM halfway up at `<|vision_end|>`, the first token "
                 "that has seen the whole image, so that every later token can read the layout." if opts.summary
         else "",
@@ -568,9 +568,9 @@ saving; the checkpoint is a plain Qwen2-VL) add dense targets: the colour and sh
 token (from the vision tower's output) and the colour and shape in each of the nine cells (from the hidden
 state before the first answer).{summary}{where}{phases}
 Images of at most 224 px per side for the first {small:.0%} of the run, then the full size range (fewer large
-images than the evaluation mix); batches bucketed by size. M-RoPE theta 20:
+images than the evaluation mix); batches bucketed by size. M-RoPE theta {theta:g}:
 with the default 10,000 the width axis gets frequencies so low that a shape's column barely changes the
-attention scores, and the model stayed blind. AdamW, warmup + cosine schedule, float32, {procs}
+attention scores, and the model stayed blind (theta 10 rather than 20: 80% vs 78% held out). AdamW, warmup + cosine schedule, float32, {procs}
 data-parallel processes of one thread each (gloo all-reduce). Target: {images} images, {steps} steps,
 {secs:.0f} s wall, {cpu:.0f} CPU-seconds; whole script (target + draft + evaluation) {wall:.0f} s wall on a
 2-core VM (little else running on it).

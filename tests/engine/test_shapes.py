@@ -29,7 +29,7 @@ def test_each_shape_sits_in_its_cell_on_a_token_corner_or_centre() -> None:
             px0, px1 = x0 * width / scene.width, x1 * width / scene.width
             py0, py1 = y0 * height / scene.height, y1 * height / scene.height
             side, cx, cy = px1 - px0, (px0 + px1) / 2, (py0 + py1) / 2
-            assert abs((py1 - py0) - side) < 1e-6 and 15 <= side <= 48
+            assert abs((py1 - py0) - side) < 1e-6 and 0.55 * TOKEN - 1e-6 <= side <= 1.7 * TOKEN + 1e-6
             row, col = divmod(s.cell, 3)
             (r0, r1), (c0, c1) = shapes.cell_edges(rows)[row: row + 2], shapes.cell_edges(cols)[col: col + 2]
             assert r0 * TOKEN <= py0 and py1 <= r1 * TOKEN and c0 * TOKEN <= px0 and px1 <= c1 * TOKEN
