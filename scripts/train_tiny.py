@@ -78,7 +78,6 @@ class Options:
     small_until: float = 0.3  # curriculum: images of at most 224 px per side until this fraction of training
     vision_until: float = 0.1  # first phase: the vision tower alone learns what each image token shows
     where: int = 1  # 1: an extra training-only head: which 3x3 cell each image token lies in, from the LM
-    vision_where: int = 0  # 1: the per-token target also names the cell of the shape under each token
     summary: int = 1  # 1: the LM halfway up, at <|vision_end|>, names what each cell holds
 
 
@@ -168,9 +167,12 @@ def _summary_loss(head, hidden, is_vision_end, batch):
     # whole image. Image tokens cannot know their cell (the causal LM shows them only the rows above) and values
     # carry no positions, so "where is the red circle?" needs the layout written down at a token every later one
     # can read; this target asks for it there.
-    at = is_vision_end.int().argmax(1)
-    logits = head(hidden[torch.arange(len(batch)), at]).view(len(batch), 9, -1)
-    return _split_ce(logits, torch.stack([g.cell_labels for g in batch]))
+    return _cell_loss(head, hidden[torch.arange(len(batch)), is_vision_end.int().argmax(1)], batch)
+
+
+def _cell_loss(head, states, batch):
+    # the colour and shape in each of an image's nine cells, from one LM state per image [G, D]
+    return _split_ce(head(states).view(len(batch), 9, -1), torch.stack([g.cell_labels for g in batch]))
 
 
 PARTS: dict[str, list[float]] = {}  # loss terms since the last log line (run_training prints their means)
@@ -189,15 +191,8 @@ def _image_features(model, batch):
 
 
 def _token_loss(aux, feats, batch):
-    # the colour and shape under each image token, from the vision tower's output, and (a wider head: the vision
-    # where target) the cell of that shape: the tower sees the whole image at once, the LM's image tokens do not
-    logits = aux["token"](torch.cat(feats))
-    targets = torch.cat([g.token_labels for g in batch])
-    loss = _note("token", _split_ce(logits[:, :sum(AUX_CLASSES)], targets))
-    if logits.shape[1] > sum(AUX_CLASSES) and bool((targets[:, 2] > 0).any()):
-        loss = loss + _note("token_cell", torch.nn.functional.cross_entropy(
-            logits[:, sum(AUX_CLASSES):], targets[:, 2] - 1, ignore_index=-1))
-    return loss
+    # the colour and shape under each image token, from the vision tower's output
+    return _note("token", _split_ce(aux["token"](torch.cat(feats)), torch.cat([g.token_labels for g in batch])))
 
 
 def _rope_index(model, image_id):
@@ -223,13 +218,12 @@ def vision_loss(model, batch):
     return _token_loss(model.aux, _image_features(model, batch)[1], batch)
 
 
-def aux_heads(hidden: int, where: bool = False, vision_where: bool = False, summary: bool = False
-              ) -> torch.nn.ModuleDict:
-    """Training-only heads (removed before saving): what each image token shows (vision_where=True: and in which
-    cell that shape lies), what each cell holds (at the last prompt token and, summary=True, at <|vision_end|>
-    halfway up), and (where=True) which cell each image token lies in, read from the LM halfway up."""
+def aux_heads(hidden: int, where: bool = False, summary: bool = False) -> torch.nn.ModuleDict:
+    """Training-only heads (removed before saving): what each image token shows, what each cell holds (at the last
+    prompt token and, summary=True, at <|vision_end|> halfway up), and (where=True) which cell each image token lies
+    in, read from the LM halfway up."""
     per = sum(AUX_CLASSES)
-    heads = {"token": torch.nn.Linear(hidden, per + 9 * vision_where), "cell": torch.nn.Linear(hidden, 9 * per)}
+    heads = {"token": torch.nn.Linear(hidden, per), "cell": torch.nn.Linear(hidden, 9 * per)}
     if summary:
         heads["summary"] = torch.nn.Linear(hidden, 9 * per)
     if where:
@@ -250,8 +244,7 @@ def _aux_loss(aux, feats, hidden, labels, batch, firsts):
     token_loss = _token_loss(aux, feats, batch)
     last_prompt = (labels[firsts] != data.IGNORE).int().argmax(1) - 1
     state = hidden[torch.tensor(firsts), last_prompt]
-    cell_logits = aux["cell"](state).view(len(batch), 9, -1)
-    return token_loss + _note("cell", _split_ce(cell_logits, torch.stack([g.cell_labels for g in batch])))
+    return token_loss + _note("cell", _cell_loss(aux["cell"], state, batch))
 
 
 def probe_pairs(builder, n: int = 24, seed: int = EVAL_SEED + 100) -> list[tuple[data.Group, data.Group]]:
@@ -605,7 +598,7 @@ def parse_args(argv) -> Options:
         p.add_argument("--" + name.replace("_", "-"), type=Path, default=getattr(opts, name))
     ints = ("steps", "draft_steps", "warmup", "pool", "batch_tokens", "max_side", "eval_n", "seed", "procs", "threads",
             "log_every", "questions_per_image", "hidden", "layers", "mlp_mult", "vision_depth", "vision_embed",
-            "probe_every", "packed", "where", "balanced", "vision_where", "summary")
+            "probe_every", "packed", "where", "balanced", "summary")
     for name in ints:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(opts, name))
     p.add_argument("--mrope", default=opts.mrope)
@@ -662,8 +655,7 @@ def _train_models(rank: int, opts: Options) -> dict:
         probe_fn = lambda m: probe(m, pairs, pad_id)  # noqa: E731
     if opts.aux_weight:
         torch.manual_seed(opts.seed + 7)
-        target.aux = aux_heads(target.config.text_config.hidden_size, bool(opts.where), bool(opts.vision_where),
-                               bool(opts.summary))
+        target.aux = aux_heads(target.config.text_config.hidden_size, bool(opts.where), bool(opts.summary))
     clock: dict = {}
 
     def loss_fn(model, batch):

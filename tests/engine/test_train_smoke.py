@@ -30,8 +30,7 @@ def test_train_script_writes_loadable_folders(tmp_path):
         "--out", str(target_dir), "--draft-out", str(draft_dir), "--demo-dir", str(demo_dir),
         "--steps", "3", "--draft-steps", "2", "--warmup", "1", "--pool", "4", "--max-side", "84",
         "--eval-n", "0", "--log-every", "1", "--procs", "1",
-        "--vision-until", "0.4", "--packed", "1", "--where", "1", "--vision-where", "1", "--summary", "1",
-        "--balanced", "1",  # the options (the default rows: the test below)
+        "--vision-until", "0.4", "--packed", "1", "--where", "1", "--summary", "1", "--balanced", "1",  # options
     ])
     assert rc == 0
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
@@ -82,29 +81,6 @@ def test_packed_rows_give_the_loss_of_separate_rows(tmp_path):
     second = len(groups[0].rows[0][0])  # packed: the first row whole, then the second row's remainder
     assert visible[0, 0, second, shared] == 0 and visible[0, 0, second, shared - 1] == 1
     assert positions[0, 0, second] == positions[0, 0, shared]  # the second row restarts after the image
-
-
-def test_token_labels_name_the_cell_each_shape_lies_in(tmp_path):
-    """The vision-where target: every image token a shape covers is labelled with that shape's cell, and it is the
-    cell the token itself lies in (shapes are drawn inside their cells on the token grid)."""
-    import numpy as np
-
-    from vlmq.workers.tiny import data
-    from vlmq.workers.tiny import tokenizer as tiny_tokenizer
-
-    tiny_tokenizer.save_tokenizer_files(tmp_path)
-    builder = data.RowBuilder(load_processor(tmp_path))
-    rng = np.random.default_rng(3)
-    labelled = 0
-    for _ in range(12):
-        g = data.make_group(builder, rng, 2, max_side=600)
-        rows, cols = int(g.grid_thw[1]) // 2, int(g.grid_thw[2]) // 2
-        covered = g.token_labels[:, 0] > 0
-        assert torch.equal(covered, g.token_labels[:, 2] > 0)
-        assert torch.equal(g.token_labels[covered, 2] - 1, data.token_cells(rows, cols)[covered])
-        assert set((g.token_labels[covered, 2] - 1).tolist()) <= {int(c) for c in g.cell_labels[:, 0].nonzero()}
-        labelled += int(covered.sum())
-    assert labelled > 12
 
 
 def test_linear_patch_embed_equals_the_convolution():

@@ -24,7 +24,7 @@ class Group:
     rows: list[tuple[list[int], list[int]]]  # (input_ids, labels) per question
     qa: list[tuple[str, str]]  # (question, answer) per row
     num_image_tokens: int
-    token_labels: torch.Tensor | None = None  # [num_image_tokens, 3]: colour, shape, cell + 1 of each LM image token
+    token_labels: torch.Tensor | None = None  # [num_image_tokens, 2]: colour, shape of each LM image token
     cell_labels: torch.Tensor | None = None  # [9, 2]: colour, shape in each grid cell (0 = nothing)
 
 
@@ -122,13 +122,13 @@ def _class_ids(shape: shapes.Shape) -> tuple[int, int]:
 
 
 def region_labels(scene: shapes.Scene, boxes: list, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per LM image token (rows x cols grid over the image): the colour, shape and cell + 1 of the shape covering
-    most of it (0: none); per 3x3 cell: the colour/shape in it. Auxiliary training targets only."""
+    """Per LM image token (rows x cols grid over the image): the colour/shape covering most of it (0: none);
+    per 3x3 cell: the colour/shape in it. Auxiliary training targets only."""
     tw, th = scene.width / cols, scene.height / rows
-    tokens = torch.zeros((rows * cols, 3), dtype=torch.long)
+    tokens = torch.zeros((rows * cols, 2), dtype=torch.long)
     best = torch.zeros(rows * cols)
     for x0, y0, x1, y1, shape in boxes:
-        ids = torch.tensor((*_class_ids(shape), 1 + shape.cell))
+        ids = torch.tensor(_class_ids(shape))
         for r in range(max(0, int(y0 // th)), min(rows, int(y1 // th) + 1)):
             for c in range(max(0, int(x0 // tw)), min(cols, int(x1 // tw) + 1)):
                 ow = min(x1, (c + 1) * tw) - max(x0, c * tw)
