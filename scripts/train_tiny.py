@@ -73,6 +73,8 @@ class Options:
     vision_embed: int = 64
     rope_theta: float = 10.0  # high M-RoPE frequencies: a one-token shift in h or w is visible to attention
     mrope: str = "4,6,6"  # frequency pairs per (t, h, w) axis; sums to head_dim / 2
+    head_dim: int = 32  # LM attention head width (hidden / head_dim heads)
+    kv_groups: int = 2  # query heads per key/value head
     probe_every: int = 0  # 1: each log line adds the loss with each image's own vs another image's features
     aux_weight: float = 0.5  # weight of the training-only dense losses (0: answers only)
     small_until: float = 0.3  # curriculum: images of at most 224 px per side until this fraction of training
@@ -598,7 +600,8 @@ def parse_args(argv) -> Options:
         p.add_argument("--" + name.replace("_", "-"), type=Path, default=getattr(opts, name))
     ints = ("steps", "draft_steps", "warmup", "pool", "batch_tokens", "max_side", "eval_n", "seed", "procs", "threads",
             "log_every", "questions_per_image", "hidden", "layers", "mlp_mult", "vision_depth", "vision_embed",
-            "probe_every", "packed", "where", "balanced", "summary")
+            "probe_every", "packed", "where", "balanced", "summary", "head_dim",
+            "kv_groups")
     for name in ints:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(opts, name))
     p.add_argument("--mrope", default=opts.mrope)
@@ -643,7 +646,7 @@ def _train_models(rank: int, opts: Options) -> dict:
     else:
         target = Qwen2VLForConditionalGeneration(tiny_model.target_config(
             ids, opts.hidden, opts.layers, opts.vision_depth, opts.vision_embed, opts.mlp_mult, opts.rope_theta,
-            tuple(int(v) for v in opts.mrope.split(","))))
+            tuple(int(v) for v in opts.mrope.split(",")), opts.head_dim, opts.kv_groups))
     _linear_patch_embed(target)
     draft = Qwen2ForCausalLM(tiny_model.draft_config(ids))
     report = {"target_params": sum(p.numel() for p in target.parameters()),

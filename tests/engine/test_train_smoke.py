@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -99,3 +100,16 @@ def test_linear_patch_embed_equals_the_convolution():
     _script()._linear_patch_embed(model)
     torch.testing.assert_close(embed(pixels), conv, rtol=1e-4, atol=1e-4)
     assert list(model.state_dict()) == list(Qwen2VLForConditionalGeneration(model.config).state_dict())
+
+
+def test_target_config_head_layout():
+    from vlmq.workers.tiny import model as tiny_model
+    from vlmq.workers.tiny.tokenizer import build_tokenizer, special_token_ids
+
+    ids = special_token_ids(build_tokenizer())
+    default = tiny_model.target_config(ids, hidden=128).text_config
+    assert (default.num_attention_heads, default.num_key_value_heads) == (4, 2)
+    narrow = tiny_model.target_config(ids, hidden=128, mrope_section=(2, 3, 3), head_dim=16, kv_groups=1).text_config
+    assert (narrow.num_attention_heads, narrow.num_key_value_heads) == (8, 8)
+    with pytest.raises(ValueError, match="mrope_section"):  # (4, 6, 6) covers 16 pairs, a 16-wide head has 8
+        tiny_model.target_config(ids, hidden=128, head_dim=16)

@@ -11,15 +11,20 @@ VOCAB_SIZE = 448  # tokenizer has 421 tokens; the embedding table is padded to a
 
 def target_config(token_ids: dict[str, int], hidden: int = 128, layers: int = 2, vision_depth: int = 3,
                   vision_embed: int = 64, mlp_mult: int = 2, rope_theta: float = 10000.0,
-                  mrope_section: tuple[int, int, int] = (4, 6, 6)) -> Qwen2VLConfig:
-    heads = hidden // 32  # head_dim 32; mrope_section covers head_dim / 2 = 16 (t, h, w)
+                  mrope_section: tuple[int, int, int] = (4, 6, 6), head_dim: int = 32,
+                  kv_groups: int = 2) -> Qwen2VLConfig:
+    """mrope_section covers head_dim / 2 frequency pairs (t, h, w); kv_groups query heads share a key/value head."""
+    heads = hidden // head_dim
+    if sum(mrope_section) * 2 != head_dim or heads % kv_groups:
+        raise ValueError(f"mrope_section {mrope_section} must cover head_dim/2 = {head_dim // 2} pairs and "
+                         f"{heads} heads must split into groups of {kv_groups}")
     text = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
         intermediate_size=hidden * mlp_mult,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2) if heads % 2 == 0 else heads,
+        num_key_value_heads=heads // kv_groups,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "mrope_section": list(mrope_section)},
         rms_norm_eps=1e-6,
