@@ -258,11 +258,10 @@ def probe_pairs(builder, n: int = 24, seed: int = EVAL_SEED + 100) -> list[tuple
         groups = []
         for _ in range(2):
             scene = shapes.sample_scene(rng, size)
-            out = builder.processor.image_processor(images=[shapes.render(scene, rng)], return_tensors="pt")
-            grid = out["image_grid_thw"][0]
+            pixel_values, [grid] = builder.images([shapes.render(scene, rng)])
             k = int(grid.prod()) // 4
             qa = [(shapes.CAPTION_PROMPT, shapes.caption(scene)), shapes.pick_question(scene, rng, 0.0)]
-            groups.append(data.Group(out["pixel_values"], grid, [builder.row(q, a, k) for q, a in qa], qa, k))
+            groups.append(data.Group(pixel_values, grid, [builder.row(q, a, k) for q, a in qa], qa, k))
         pairs.append((groups[0], groups[1]))
     return pairs
 

@@ -7,7 +7,6 @@ and prefix caches on, then off; then a KV budget too small for the workload, whi
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -78,19 +77,6 @@ def run_continuous(engine: Engine, requests: list[Request], first: int, per_step
     return [done[i] for i in ids]
 
 
-def generate_at_once(engine: Engine, requests: list[Request]) -> list[RequestOutput]:
-    """engine.generate, but the first step starts only when every image is preprocessed (preprocessing runs on a
-    thread, and on a loaded machine requests would trickle in, so what these tests count would depend on timing)."""
-    ids = [engine.add_request(r) for r in requests]
-    deadline = time.monotonic() + 120
-    while engine._ready.qsize() < len(ids) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    done: dict[str, RequestOutput] = {}
-    while len(done) < len(ids):
-        done.update((o.request_id, o) for o in engine.step())
-    return [done[i] for i in ids]
-
-
 def check_outputs(outputs, workload, reference) -> None:
     assert len(outputs) == len(workload)
     pairs = zip(workload, outputs, strict=True)
@@ -139,7 +125,7 @@ def test_requests_sharing_an_image_reuse_its_kv(model_dir, workload, reference):
     """Two questions per image, all at once: the second waits for the first's image KV, then reuses it."""
     pairs = workload[:NUM_SAME_IMAGE] + workload[NUM_FRESH:NUM_FRESH + NUM_SAME_IMAGE]
     engine = Engine.from_model_dir(model_dir, num_blocks=2048)
-    outputs = generate_at_once(engine, [Request(img, q, MAX_NEW) for img, q in pairs])
+    outputs = engine.generate([Request(img, q, MAX_NEW) for img, q in pairs], prepare_all_first=True)
     check_outputs(outputs, pairs, reference)
     stats = engine.stats
     assert stats.num_encoded_images == NUM_SAME_IMAGE
@@ -153,7 +139,7 @@ def test_preemption_keeps_outputs_identical(model_dir, workload, reference):
     small = [(img, q) for img, q in workload if img.width * img.height <= 300 * 300][:24]
     engine = Engine.from_model_dir(model_dir, num_blocks=10, block_size=16, max_num_batched_tokens=256,
                                    long_prefill_chunk_size=128)
-    outputs = generate_at_once(engine, [Request(img, q, MAX_NEW) for img, q in small])
+    outputs = engine.generate([Request(img, q, MAX_NEW) for img, q in small], prepare_all_first=True)
     assert engine.stats.num_preemptions > 0  # the budget really was too small for the batch
     check_outputs(outputs, small, reference)
     engine.close()

@@ -177,9 +177,14 @@ class Engine:
         done, self._done = self._done, []
         return done
 
-    def generate(self, requests: Seq[Request]) -> list[RequestOutput]:
-        """Run a batch to completion (continuously batched); outputs in request order."""
+    def generate(self, requests: Seq[Request], prepare_all_first: bool = False) -> list[RequestOutput]:
+        """Run a batch to completion (continuously batched); outputs in request order.
+
+        prepare_all_first: the first step waits until every image is preprocessed, so the scheduler sees the whole
+        batch at once (otherwise steps start as soon as one request is ready and the rest join as they arrive)."""
         ids = [self.add_request(r) for r in requests]
+        while prepare_all_first and self._ready.qsize() < len(self._preparing):
+            time.sleep(0.005)
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             results.update((o.request_id, o) for o in self.step())
