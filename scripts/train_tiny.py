@@ -30,7 +30,7 @@ from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2VLForCondition
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlmq.models import TINY_SHAPES_POLICY
-from vlmq.workers.models.processor import load_processor
+from vlmq.workers.models.processor import load_processor, render_prompt
 from vlmq.workers.tiny import data, evaluate, shapes
 from vlmq.workers.tiny import model as tiny_model
 from vlmq.workers.tiny import tokenizer as tiny_tokenizer
@@ -81,6 +81,8 @@ class Options:
     vision_until: float = 0.1  # first phase: the vision tower alone learns what each image token shows
     where: int = 1  # 1: an extra training-only head: which 3x3 cell each image token lies in, from the LM
     summary: int = 1  # 1: the LM halfway up, at <|vision_end|>, names what each cell holds
+    registers: int = 0  # 9: nine register tokens follow each image (chat template); halfway up, register i names cell i
+    per_row: int = 0  # 1: each answer weighs the same in the answer loss (else each answer token: captions dominate)
 
 
 def batches(builder, rng, opts: Options, clock: dict | None = None):
@@ -120,9 +122,12 @@ def batches(builder, rng, opts: Options, clock: dict | None = None):
 TEXT_PER_ROW = 21  # about the text tokens a row adds after the image (question, answer, chat markers)
 
 
-def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.RowBuilder | None = None):
+def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.RowBuilder | None = None,
+                register_ids: torch.Tensor | None = None, per_row: bool = False):
     """Answer loss (+ the training-only dense losses); with `builder`, each image's rows are packed into one
-    sequence (data.pack_groups: the same loss, the image tokens through the LM once), else one row each."""
+    sequence (data.pack_groups: the same loss, the image tokens through the LM once), else one row each.
+    `register_ids`: the register tokens that follow each image, in cell order (their target: the cell's content).
+    `per_row`: every answer weighs the same in the answer loss (_answer_loss)."""
     grids, feats = _image_features(model, batch)
     image_id = model.config.image_token_id
     if builder is not None:
@@ -143,11 +148,11 @@ def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.Row
                       mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(row_feats))})
     mm_types = (input_ids == image_id).long()
     aux = aux_weight and hasattr(model, "aux")
-    middle_heads = aux and {"where", "summary"} & set(model.aux)
+    middle_heads = aux and {"where", "summary", "registers"} & set(model.aux)
     out = model.model(input_ids=input_ids, mm_token_type_ids=mm_types, output_hidden_states=bool(middle_heads),
                       **inputs)
     hidden = out.last_hidden_state
-    loss = _answer_loss(model.lm_head, hidden, labels)
+    loss = _answer_loss(model.lm_head, hidden, labels, per_row)
     _note("answer", loss)
     if aux:
         dense = _aux_loss(model.aux, feats, hidden, labels, batch, firsts)
@@ -160,8 +165,19 @@ def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.Row
             dense = dense + _note("summary", _summary_loss(model.aux["summary"], middle[firsts],
                                                            input_ids[firsts] == model.config.vision_end_token_id,
                                                            batch))
+        if "registers" in model.aux:
+            dense = dense + _note("registers", _register_loss(model.aux["registers"], middle[firsts],
+                                                              input_ids[firsts], register_ids, batch))
         loss = loss + aux_weight * dense
     return loss
+
+
+def _register_loss(head, hidden, input_ids, register_ids, batch):
+    # register i (a token after the image) names what cell i holds, halfway up: nine places a question can look a
+    # cell up by attention, where one summary state had to hold the whole layout
+    at = (input_ids[:, :, None] == register_ids).int().argmax(1)  # [G, R]: each register's position in its row
+    states = hidden[torch.arange(len(batch))[:, None], at]  # [G, R, D]
+    return _split_ce(head(states), torch.stack([g.cell_labels[: len(register_ids)] for g in batch]))
 
 
 def _summary_loss(head, hidden, is_vision_end, batch):
@@ -220,16 +236,18 @@ def vision_loss(model, batch):
     return _token_loss(model.aux, _image_features(model, batch)[1], batch)
 
 
-def aux_heads(hidden: int, where: bool = False, summary: bool = False) -> torch.nn.ModuleDict:
+def aux_heads(hidden: int, where: bool = False, summary: bool = False, registers: bool = False) -> torch.nn.ModuleDict:
     """Training-only heads (removed before saving): what each image token shows, what each cell holds (at the last
     prompt token and, summary=True, at <|vision_end|> halfway up), and (where=True) which cell each image token lies
-    in, read from the LM halfway up."""
+    in, read from the LM halfway up; (registers=True) what the cell of each register token holds, halfway up."""
     per = sum(AUX_CLASSES)
     heads = {"token": torch.nn.Linear(hidden, per), "cell": torch.nn.Linear(hidden, 9 * per)}
     if summary:
         heads["summary"] = torch.nn.Linear(hidden, 9 * per)
     if where:
         heads["where"] = torch.nn.Linear(hidden, 9)
+    if registers:
+        heads["registers"] = torch.nn.Linear(hidden, per)
     return torch.nn.ModuleDict(heads)
 
 
@@ -277,12 +295,27 @@ def probe(model, pairs, pad_id) -> tuple[float, float]:
     return result
 
 
-def _answer_loss(head, hidden, labels):
-    # hidden: [B, S, D]; position t predicts labels[t + 1]; only answer positions are scored
+def _answer_loss(head, hidden, labels, per_row: bool = False):
+    """hidden: [B, S, D]; position t predicts labels[t + 1]; only answer positions are scored. The mean over answer
+    tokens, or (per_row) over answers: each answer's tokens averaged first, so a one-word answer weighs as much as
+    a caption of thirty tokens (the evaluation counts answers, not tokens)."""
     shifted = labels[:, 1:]
     keep = shifted != data.IGNORE
     logits = head(hidden[:, :-1][keep])
-    return torch.nn.functional.cross_entropy(logits, shifted[keep])
+    if not per_row:
+        return torch.nn.functional.cross_entropy(logits, shifted[keep])
+    losses = torch.nn.functional.cross_entropy(logits, shifted[keep], reduction="none")
+    answer = _answer_index(keep)
+    sizes = torch.bincount(answer)
+    return (losses / sizes[answer]).sum() / len(sizes)
+
+
+def _answer_index(keep: torch.Tensor) -> torch.Tensor:
+    # which answer each scored position belongs to: an answer is a run of scored positions within a row (packed
+    # rows are separated by the next row's unscored question; rows end in padding or at the row's end)
+    runs = keep.clone()
+    runs[:, 1:] &= ~keep[:, :-1]  # first position of each run
+    return (runs.cumsum(1) + runs.sum(1, keepdim=True).cumsum(0) - runs.sum(1, keepdim=True))[keep] - 1
 
 
 def draft_loss(model, batch, builder, pad_id):
@@ -367,10 +400,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save_folder(model, out: Path, ids) -> None:
+def save_folder(model, out: Path, ids, registers: int = 0) -> None:
     """A Hugging Face folder: weights, config, generation config, tokenizer, chat template, processor config."""
     _fresh(out)
-    tiny_tokenizer.save_tokenizer_files(out)
+    tiny_tokenizer.save_tokenizer_files(out, registers=registers)
     model.save_pretrained(out)
     _generation_config(ids).save_pretrained(out)
 
@@ -473,6 +506,11 @@ def write_model_cards(opts: Options, report: dict, argv: list[str]) -> None:
         accuracy=accuracy, agreement=agreement,
         min_side=math.isqrt(TINY_SHAPES_POLICY.min_pixels), patch=TINY_SHAPES_POLICY.patch_size,
         draft_params=report["draft_params"], small=opts.small_until,
+        vocab=len(json.loads((opts.out / "tokenizer.json").read_text())["model"]["vocab"])
+        + len(tiny_tokenizer.special_tokens(opts.registers)),
+        registers="" if not opts.registers else (
+            f", and after each image {opts.registers} register tokens (`<|reg_0|>` ...), where the model writes "
+            "down what each region of the image holds"),
         rows=_rows_sentence(opts), status=_status(report),
         phases=_phases_sentence(opts), token=TINY_SHAPES_POLICY.factor, theta=opts.rope_theta,
         summary=" Another names what each cell holds from the LM halfway up at `<|vision_end|>`, the first token "
@@ -483,6 +521,8 @@ def write_model_cards(opts: Options, report: dict, argv: list[str]) -> None:
     (opts.draft_out / "README.md").write_text(DRAFT_CARD.format(
         params=report["draft_params"], config=json.dumps(draft_cfg, sort_keys=True), command=command,
         secs=report["draft_seconds"], images=report["draft_images"], cpu=report["draft_cpu_seconds"],
+        example=render_prompt(load_processor(opts.out), "How many circles?").replace(
+            "<|image_pad|>", "").replace("\n", "\\n"),
         agreement=agreement))
 
 
@@ -509,6 +549,9 @@ def _phases_sentence(opts: Options) -> str:
                  "attends to them and to itself (the same loss as separate rows).")
     if opts.balanced:
         text += " An image's questions are spread over the question kinds (count, colour, shape at, where, is there)."
+    if opts.registers:
+        text += (f" Register token i (of the {opts.registers} after each image) names, halfway up the LM, what cell i "
+                 "of the 3x3 grid holds (reading order): a question looks a cell up by attending to its register.")
     return text
 
 
@@ -549,8 +592,8 @@ Prompts: "Describe the image." ->
 ## Architecture
 - text: {text}
 - vision: {vision}
-- tokenizer: byte-level BPE (Qwen2 pre-tokenizer) trained on the task grammar, 421 tokens + Qwen2-VL
-  specials; chat template like Qwen2-VL's without the default system turn; `<|im_end|>` is EOS.
+- tokenizer: byte-level BPE (Qwen2 pre-tokenizer) trained on the task grammar, {vocab} tokens with Qwen2-VL's
+  specials; chat template like Qwen2-VL's without the default system turn{registers}; `<|im_end|>` is EOS.
 - image processor: Qwen2-VL, patch {patch}, merge 2, temporal patch 2, min {min_side}x{min_side} pixels of area
   (smaller images are upscaled) and max 1024x1024: 3x3 to 18x18 image tokens. Patches of 28 px rather than
   Qwen2-VL's 14 cut the tokens of an image by four: the same run sees more images.
@@ -581,8 +624,8 @@ DRAFT_CARD = """# tiny-shapes-draft: text-only draft for tiny-shapes
 
 A `Qwen2ForCausalLM` of {params:,} parameters with the same tokenizer as `tiny-shapes`, for speculative
 decoding. It is trained on the same prompts and answers without the image: the chat text with the
-`<|image_pad|>` tokens removed (`<|vision_start|><|vision_end|>` kept, adjacent), e.g.
-`<|im_start|>user\n<|vision_start|><|vision_end|>How many circles?<|im_end|>\n<|im_start|>assistant\n`.
+`<|image_pad|>` tokens removed (`<|vision_start|>`, `<|vision_end|>` and any register tokens kept), e.g.
+`{example}`.
 
 config: {config}
 
@@ -600,7 +643,7 @@ def parse_args(argv) -> Options:
     ints = ("steps", "draft_steps", "warmup", "pool", "batch_tokens", "max_side", "eval_n", "seed", "procs", "threads",
             "log_every", "questions_per_image", "hidden", "layers", "mlp_mult", "vision_depth", "vision_embed",
             "probe_every", "packed", "where", "balanced", "summary", "head_dim",
-            "kv_groups")
+            "kv_groups", "registers", "per_row")
     for name in ints:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(opts, name))
     p.add_argument("--mrope", default=opts.mrope)
@@ -612,7 +655,7 @@ def parse_args(argv) -> Options:
 
 def train(opts: Options) -> dict:
     """Train both models with opts.procs data-parallel processes (gloo); rank 0 saves."""
-    tiny_tokenizer.save_tokenizer_files(opts.out)
+    tiny_tokenizer.save_tokenizer_files(opts.out, registers=opts.registers)
     if opts.procs == 1:
         return _train_rank(0, opts, None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -636,7 +679,8 @@ def _train_rank(rank: int, opts: Options, tmp: str | None) -> dict:
 def _train_models(rank: int, opts: Options) -> dict:
     torch.set_num_threads(opts.threads)
     torch.manual_seed(opts.seed)  # the same initial weights on every rank
-    ids = tiny_tokenizer.special_token_ids(tiny_tokenizer.build_tokenizer())
+    ids = tiny_tokenizer.special_token_ids(tiny_tokenizer.build_tokenizer(opts.registers))
+    register_ids = torch.tensor([ids[t] for t in tiny_tokenizer.REGISTER_TOKENS[: opts.registers]])
     processor = load_processor(opts.out)
     builder = data.RowBuilder(processor)
     pad_id = ids["<|endoftext|>"]
@@ -657,13 +701,15 @@ def _train_models(rank: int, opts: Options) -> dict:
         probe_fn = lambda m: probe(m, pairs, pad_id)  # noqa: E731
     if opts.aux_weight:
         torch.manual_seed(opts.seed + 7)
-        target.aux = aux_heads(target.config.text_config.hidden_size, bool(opts.where), bool(opts.summary))
+        target.aux = aux_heads(target.config.text_config.hidden_size, bool(opts.where), bool(opts.summary),
+                               bool(opts.registers))
     clock: dict = {}
 
     def loss_fn(model, batch):
         if clock.get("progress", 0.0) < opts.vision_until and hasattr(model, "aux"):
             return vision_loss(model, batch)
-        return target_loss(model, batch, pad_id, opts.aux_weight, builder if opts.packed else None)
+        return target_loss(model, batch, pad_id, opts.aux_weight, builder if opts.packed else None, register_ids,
+                           bool(opts.per_row))
 
     secs, cpu, images, steps = run_training(
         target, loss_fn, batches(builder, rng, opts, clock),
@@ -675,7 +721,7 @@ def _train_models(rank: int, opts: Options) -> dict:
     report.update(target_seconds=round(secs, 1), target_cpu_seconds=round(cpu, 1), target_images=images,
                   target_steps=steps)
     if rank == 0:
-        save_folder(target, opts.out, ids)
+        save_folder(target, opts.out, ids, opts.registers)
     rng = np.random.default_rng((opts.seed + 1, rank))
     secs, cpu, images, steps = run_training(
         draft, lambda m, b: draft_loss(m, b, builder, pad_id), batches(builder, rng, opts), opts.draft_steps,
@@ -684,7 +730,7 @@ def _train_models(rank: int, opts: Options) -> dict:
                   draft_steps=steps,
                   procs=opts.procs, threads=opts.threads)
     if rank == 0:
-        save_folder(draft, opts.draft_out, ids)
+        save_folder(draft, opts.draft_out, ids, opts.registers)
     if rank == 0 and opts.demo_dir is not None:
         write_demo_assets(opts.demo_dir)
     return report

@@ -32,6 +32,7 @@ def test_train_script_writes_loadable_folders(tmp_path):
         "--steps", "3", "--draft-steps", "2", "--warmup", "1", "--pool", "4", "--max-side", "84",
         "--eval-n", "0", "--log-every", "1", "--procs", "1",
         "--vision-until", "0.4", "--packed", "1", "--where", "1", "--summary", "1", "--balanced", "1",  # options
+        "--registers", "9",
     ])
     assert rc == 0
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
@@ -43,7 +44,11 @@ def test_train_script_writes_loadable_folders(tmp_path):
     model = AutoModelForImageTextToText.from_pretrained(target_dir).eval()
     processor = load_processor(target_dir)
     ex = shapes.make_example(0, size=(70, 90))
-    inputs = processor(text=[render_prompt(processor, ex.question)], images=[ex.image], return_tensors="pt")
+    prompt = render_prompt(processor, ex.question)
+    assert "<|vision_end|>" + "".join(f"<|reg_{i}|>" for i in range(9)) + ex.question in prompt
+    inputs = processor(text=[prompt], images=[ex.image], return_tensors="pt")
+    assert sum(processor.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist()).count(f"<|reg_{i}|>")
+               for i in range(9)) == 9  # one token each
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert out.shape[1] > inputs["input_ids"].shape[1]
@@ -52,9 +57,10 @@ def test_train_script_writes_loadable_folders(tmp_path):
     assert len(json.loads((demo_dir / "samples.json").read_text())) == 8
 
 
-def test_packed_rows_give_the_loss_of_separate_rows(tmp_path):
+@pytest.mark.parametrize("registers", [0, 9])
+def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers):
     """Training packs an image's rows into one sequence (its tokens through the LM once): same loss, and no row
-    sees another's question or answer."""
+    sees another's question or answer; with register tokens after the image too (shared by the rows)."""
     import numpy as np
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -63,19 +69,24 @@ def test_packed_rows_give_the_loss_of_separate_rows(tmp_path):
     from vlmq.workers.tiny import tokenizer as tiny_tokenizer
 
     train = _script()
-    tiny_tokenizer.save_tokenizer_files(tmp_path)
-    ids = tiny_tokenizer.special_token_ids(tiny_tokenizer.build_tokenizer())
+    tiny_tokenizer.save_tokenizer_files(tmp_path, registers=registers)
+    ids = tiny_tokenizer.special_token_ids(tiny_tokenizer.build_tokenizer(registers))
+    register_ids = torch.tensor([ids[t] for t in tiny_tokenizer.REGISTER_TOKENS[:registers]])
     builder = data.RowBuilder(load_processor(tmp_path))
+    assert len(builder.mid_ids) == 1 + registers  # <|vision_end|>, then the registers
     rng = np.random.default_rng(0)
     groups = [data.make_group(builder, rng, 4, max_side=150) for _ in range(3)]
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(tiny_model.target_config(ids, layers=2, rope_theta=20.0))
-    model.aux = train.aux_heads(model.config.text_config.hidden_size, where=True, summary=True)
+    model.aux = train.aux_heads(model.config.text_config.hidden_size, where=True, summary=True,
+                                registers=bool(registers))
     pad = ids["<|endoftext|>"]
-    for aux_weight in (0.0, 0.5):
-        rows = train.target_loss(model, groups, pad, aux_weight)
-        packed = train.target_loss(model, groups, pad, aux_weight, builder)
+    for aux_weight, per_row in ((0.0, False), (0.5, False), (0.5, True)):
+        train.PARTS.clear()
+        rows = train.target_loss(model, groups, pad, aux_weight, register_ids=register_ids, per_row=per_row)
+        packed = train.target_loss(model, groups, pad, aux_weight, builder, register_ids, per_row)
         torch.testing.assert_close(packed, rows, rtol=1e-5, atol=1e-5)
+    assert ("registers" in train.PARTS) == bool(registers)  # the register target was scored
     rope_index = train._rope_index(model, ids["<|image_pad|>"])
     _, _, positions, visible = data.pack_groups(groups, builder, pad, rope_index)
     shared = data.shared_length(groups[0], builder)
@@ -113,3 +124,18 @@ def test_target_config_head_layout():
     assert (narrow.num_attention_heads, narrow.num_key_value_heads) == (8, 8)
     with pytest.raises(ValueError, match="mrope_section"):  # (4, 6, 6) covers 16 pairs, a 16-wide head has 8
         tiny_model.target_config(ids, hidden=128, head_dim=16)
+
+
+def test_per_row_answer_loss_weighs_answers_not_tokens():
+    """--per-row 1: a one-word answer counts as much as a long caption (the evaluation counts answers)."""
+    train = _script()
+    ignore = -100
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 5)
+    hidden = torch.randn(2, 7, 8)
+    # row 0: a 4-token answer, then a 1-token answer (packed rows); row 1: a 2-token answer at the row's end
+    labels = torch.tensor([[ignore, 1, 2, 3, 4, ignore, 0], [ignore, ignore, ignore, ignore, ignore, 3, 2]])
+    ce = torch.nn.functional.cross_entropy(head(hidden[:, :-1]).transpose(1, 2), labels[:, 1:], reduction="none")
+    answers = [ce[0, 0:4].mean(), ce[0, 5:6].mean(), ce[1, 4:6].mean()]
+    torch.testing.assert_close(train._answer_loss(head, hidden, labels, per_row=True), torch.stack(answers).mean())
+    torch.testing.assert_close(train._answer_loss(head, hidden, labels), ce[labels[:, 1:] != ignore].mean())

@@ -45,6 +45,8 @@ class RowBuilder:
         self.mid, self.suffix = (s for s in after.split("@Q@"))
         self.tok = tok
         self._cache: dict[str, list[int]] = {}
+        # the tokens between the image and the question (<|vision_end|>, then any register tokens)
+        self.mid_ids = self._ids(self.mid)
         # the engine's preprocessing: the processor's pixel_values bit for bit (tests/engine/test_preprocess.py),
         # several times faster, which buys the training run more images
         self.images = ImagePreprocessor.from_preprocessor_config(processor.image_processor.to_dict())
@@ -157,8 +159,9 @@ def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int):
 
 
 def shared_length(group: Group, builder: RowBuilder) -> int:
-    """Tokens every row of a group starts with: the chat prefix and the image (its rows differ after it)."""
-    return len(builder.prefix) + group.num_image_tokens
+    """Tokens every row of a group starts with: the chat prefix, the image and the tokens after it up to the
+    question (its rows differ after that)."""
+    return len(builder.prefix) + group.num_image_tokens + len(builder.mid_ids)
 
 
 def packed_length(group: Group, builder: RowBuilder) -> int:

@@ -31,12 +31,15 @@ SPECIAL_TOKENS = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
+# register tokens: a fixed run after each image (chat template) where the model writes down what it read from
+# the image, one token per region, so a question can look a region up by attention (training gives each its target)
+REGISTER_TOKENS = tuple(f"<|reg_{i}|>" for i in range(9))
 DEFAULT_SYSTEM = "You are a helpful assistant."
 VOCAB_SIZE = 448  # base 256 bytes + merges + specials; the model's embedding table may be larger
 
-# Qwen2-VL style chat template, images as vision_start/image_pad/vision_end. Unlike Qwen2-VL's it
-# adds no default system turn (11 tokens per request the tiny model does not need).
-CHAT_TEMPLATE = (
+# Qwen2-VL style chat template, images as vision_start/image_pad/vision_end (then @REGISTERS@). Unlike
+# Qwen2-VL's it adds no default system turn (11 tokens per request the tiny model does not need).
+_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}"
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n"
@@ -45,12 +48,20 @@ CHAT_TEMPLATE = (
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}"
     "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
+    "<|vision_start|><|image_pad|><|vision_end|>@REGISTERS@"
     "{% elif 'text' in content %}{{ content['text'] }}"
     "{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+def chat_template(registers: int = 0) -> str:
+    """The chat template; `registers` register tokens follow each image."""
+    return _TEMPLATE.replace("@REGISTERS@", "".join(REGISTER_TOKENS[:registers]))
+
+
+CHAT_TEMPLATE = chat_template()
 
 IMAGE_PROCESSOR_CONFIG = {
     "image_processor_type": "Qwen2VLImageProcessor",
@@ -77,7 +88,7 @@ def _corpus() -> list[str]:
     return (chat + phrases + joined) * 4
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(registers: int = 0) -> Tokenizer:
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -95,19 +106,26 @@ def build_tokenizer() -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens(registers)])
     return tok
 
 
+def special_tokens(registers: int = 0) -> tuple[str, ...]:
+    if not 0 <= registers <= len(REGISTER_TOKENS):
+        raise ValueError(f"registers must be 0..{len(REGISTER_TOKENS)}, got {registers}")
+    return SPECIAL_TOKENS + REGISTER_TOKENS[:registers]
+
+
 def special_token_ids(tok: Tokenizer) -> dict[str, int]:
-    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    """Ids of the Qwen2-VL specials and of whichever register tokens `tok` has."""
+    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + REGISTER_TOKENS if tok.token_to_id(t) is not None}
 
 
-def save_tokenizer_files(out_dir: str | Path, model_max_length: int = 4096) -> dict[str, int]:
+def save_tokenizer_files(out_dir: str | Path, model_max_length: int = 4096, registers: int = 0) -> dict[str, int]:
     """Write tokenizer.json, tokenizer_config.json, chat_template.jinja and preprocessor_config.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
+    tok = build_tokenizer(registers)
     tok.save(str(out / "tokenizer.json"))
     ids = special_token_ids(tok)
     added = {
@@ -118,7 +136,7 @@ def save_tokenizer_files(out_dir: str | Path, model_max_length: int = 4096) -> d
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": added,
-        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "additional_special_tokens": list(special_tokens(registers)[1:]),
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
@@ -129,6 +147,6 @@ def save_tokenizer_files(out_dir: str | Path, model_max_length: int = 4096) -> d
         "model_max_length": model_max_length,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "chat_template.jinja").write_text(chat_template(registers))
     (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR_CONFIG, indent=2) + "\n")
     return ids
