@@ -82,7 +82,7 @@ class Options:
     where: int = 1  # 1: an extra training-only head: which 3x3 cell each image token lies in, from the LM
     summary: int = 1  # 1: the LM halfway up, at <|vision_end|>, names what each cell holds
     registers: int = 0  # 9: nine register tokens follow each image (chat template); halfway up, register i names cell i
-    per_row: int = 0  # 1: each answer weighs the same in the answer loss (else each answer token: captions dominate)
+    per_row: float = 0.0  # weight of the per-answer mean in the answer loss (0: per token, captions dominate)
 
 
 def batches(builder, rng, opts: Options, clock: dict | None = None):
@@ -123,11 +123,11 @@ TEXT_PER_ROW = 21  # about the text tokens a row adds after the image (question,
 
 
 def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.RowBuilder | None = None,
-                register_ids: torch.Tensor | None = None, per_row: bool = False):
+                register_ids: torch.Tensor | None = None, per_row: float = 0.0):
     """Answer loss (+ the training-only dense losses); with `builder`, each image's rows are packed into one
     sequence (data.pack_groups: the same loss, the image tokens through the LM once), else one row each.
     `register_ids`: the register tokens that follow each image, in cell order (their target: the cell's content).
-    `per_row`: every answer weighs the same in the answer loss (_answer_loss)."""
+    `per_row`: the weight of the per-answer mean in the answer loss (_answer_loss)."""
     grids, feats = _image_features(model, batch)
     image_id = model.config.image_token_id
     if builder is not None:
@@ -295,19 +295,18 @@ def probe(model, pairs, pad_id) -> tuple[float, float]:
     return result
 
 
-def _answer_loss(head, hidden, labels, per_row: bool = False):
+def _answer_loss(head, hidden, labels, per_row: float = 0.0):
     """hidden: [B, S, D]; position t predicts labels[t + 1]; only answer positions are scored. The mean over answer
-    tokens, or (per_row) over answers: each answer's tokens averaged first, so a one-word answer weighs as much as
-    a caption of thirty tokens (the evaluation counts answers, not tokens)."""
+    tokens, mixed with weight `per_row` with the mean over answers (each answer's tokens averaged first, so a
+    one-word answer weighs as much as a caption of thirty tokens: the evaluation counts answers, not tokens)."""
     shifted = labels[:, 1:]
     keep = shifted != data.IGNORE
-    logits = head(hidden[:, :-1][keep])
+    losses = torch.nn.functional.cross_entropy(head(hidden[:, :-1][keep]), shifted[keep], reduction="none")
     if not per_row:
-        return torch.nn.functional.cross_entropy(logits, shifted[keep])
-    losses = torch.nn.functional.cross_entropy(logits, shifted[keep], reduction="none")
+        return losses.mean()
     answer = _answer_index(keep)
     sizes = torch.bincount(answer)
-    return (losses / sizes[answer]).sum() / len(sizes)
+    return (1 - per_row) * losses.mean() + per_row * (losses / sizes[answer]).sum() / len(sizes)
 
 
 def _answer_index(keep: torch.Tensor) -> torch.Tensor:
@@ -643,12 +642,12 @@ def parse_args(argv) -> Options:
     ints = ("steps", "draft_steps", "warmup", "pool", "batch_tokens", "max_side", "eval_n", "seed", "procs", "threads",
             "log_every", "questions_per_image", "hidden", "layers", "mlp_mult", "vision_depth", "vision_embed",
             "probe_every", "packed", "where", "balanced", "summary", "head_dim",
-            "kv_groups", "registers", "per_row")
+            "kv_groups", "registers")
     for name in ints:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(opts, name))
     p.add_argument("--mrope", default=opts.mrope)
     for name in ("lr", "draft_lr", "budget_min", "draft_budget_min", "rope_theta", "aux_weight", "small_until",
-                 "vision_until"):
+                 "vision_until", "per_row"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(opts, name))
     return Options(**vars(p.parse_args(argv)))
 
@@ -709,7 +708,7 @@ def _train_models(rank: int, opts: Options) -> dict:
         if clock.get("progress", 0.0) < opts.vision_until and hasattr(model, "aux"):
             return vision_loss(model, batch)
         return target_loss(model, batch, pad_id, opts.aux_weight, builder if opts.packed else None, register_ids,
-                           bool(opts.per_row))
+                           opts.per_row)
 
     secs, cpu, images, steps = run_training(
         target, loss_fn, batches(builder, rng, opts, clock),

@@ -81,7 +81,7 @@ def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers):
     model.aux = train.aux_heads(model.config.text_config.hidden_size, where=True, summary=True,
                                 registers=bool(registers))
     pad = ids["<|endoftext|>"]
-    for aux_weight, per_row in ((0.0, False), (0.5, False), (0.5, True)):
+    for aux_weight, per_row in ((0.0, 0.0), (0.5, 0.0), (0.5, 0.5)):
         train.PARTS.clear()
         rows = train.target_loss(model, groups, pad, aux_weight, register_ids=register_ids, per_row=per_row)
         packed = train.target_loss(model, groups, pad, aux_weight, builder, register_ids, per_row)
@@ -127,7 +127,7 @@ def test_target_config_head_layout():
 
 
 def test_per_row_answer_loss_weighs_answers_not_tokens():
-    """--per-row 1: a one-word answer counts as much as a long caption (the evaluation counts answers)."""
+    """--per-row 1: a one-word answer counts as much as a long caption (the evaluation counts answers); 0.5 mixes."""
     train = _script()
     ignore = -100
     torch.manual_seed(0)
@@ -137,5 +137,8 @@ def test_per_row_answer_loss_weighs_answers_not_tokens():
     labels = torch.tensor([[ignore, 1, 2, 3, 4, ignore, 0], [ignore, ignore, ignore, ignore, ignore, 3, 2]])
     ce = torch.nn.functional.cross_entropy(head(hidden[:, :-1]).transpose(1, 2), labels[:, 1:], reduction="none")
     answers = [ce[0, 0:4].mean(), ce[0, 5:6].mean(), ce[1, 4:6].mean()]
-    torch.testing.assert_close(train._answer_loss(head, hidden, labels, per_row=True), torch.stack(answers).mean())
-    torch.testing.assert_close(train._answer_loss(head, hidden, labels), ce[labels[:, 1:] != ignore].mean())
+    torch.testing.assert_close(train._answer_loss(head, hidden, labels, per_row=1.0), torch.stack(answers).mean())
+    per_token = ce[labels[:, 1:] != ignore].mean()
+    torch.testing.assert_close(train._answer_loss(head, hidden, labels), per_token)
+    torch.testing.assert_close(train._answer_loss(head, hidden, labels, per_row=0.5),
+                               (per_token + torch.stack(answers).mean()) / 2)
