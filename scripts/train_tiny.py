@@ -313,8 +313,8 @@ def _answer_index(keep: torch.Tensor) -> torch.Tensor:
     # which answer each scored position belongs to: an answer is a run of scored positions within a row (packed
     # rows are separated by the next row's unscored question; rows end in padding or at the row's end)
     runs = keep.clone()
-    runs[:, 1:] &= ~keep[:, :-1]  # first position of each run
-    return (runs.cumsum(1) + runs.sum(1, keepdim=True).cumsum(0) - runs.sum(1, keepdim=True))[keep] - 1
+    runs[:, 1:] &= ~keep[:, :-1]  # first position of each run (a row's first scored position always starts one)
+    return runs.reshape(-1).cumsum(0).view_as(keep)[keep] - 1
 
 
 def draft_loss(model, batch, builder, pad_id):
@@ -490,6 +490,7 @@ def write_model_cards(opts: Options, report: dict, argv: list[str]) -> None:
     draft_cfg = json.loads((opts.draft_out / "config.json").read_text())
     ev = report.get("eval", {})
     command = "python scripts/train_tiny.py " + " ".join(argv)
+    processor = load_processor(opts.out)
     accuracy = "not measured (--eval-n 0)" if not ev else (
         f"{ev['exact_match']:.1%} exact match, greedy, on {ev['n']} held-out examples (seed {ev['seed']}); "
         f"captions {ev['captions'][0]}/{ev['captions'][1]}; by long side: "
@@ -505,8 +506,7 @@ def write_model_cards(opts: Options, report: dict, argv: list[str]) -> None:
         accuracy=accuracy, agreement=agreement,
         min_side=math.isqrt(TINY_SHAPES_POLICY.min_pixels), patch=TINY_SHAPES_POLICY.patch_size,
         draft_params=report["draft_params"], small=opts.small_until,
-        vocab=len(json.loads((opts.out / "tokenizer.json").read_text())["model"]["vocab"])
-        + len(tiny_tokenizer.special_tokens(opts.registers)),
+        vocab=len(processor.tokenizer),
         registers="" if not opts.registers else (
             f", and after each image {opts.registers} register tokens (`<|reg_0|>` ...), where the model writes "
             "down what each region of the image holds"),
@@ -520,7 +520,7 @@ def write_model_cards(opts: Options, report: dict, argv: list[str]) -> None:
     (opts.draft_out / "README.md").write_text(DRAFT_CARD.format(
         params=report["draft_params"], config=json.dumps(draft_cfg, sort_keys=True), command=command,
         secs=report["draft_seconds"], images=report["draft_images"], cpu=report["draft_cpu_seconds"],
-        example=render_prompt(load_processor(opts.out), "How many circles?").replace(
+        example=render_prompt(processor, "How many circles?").replace(
             "<|image_pad|>", "").replace("\n", "\\n"),
         agreement=agreement))
 
@@ -679,9 +679,9 @@ def _train_models(rank: int, opts: Options) -> dict:
     torch.set_num_threads(opts.threads)
     torch.manual_seed(opts.seed)  # the same initial weights on every rank
     ids = tiny_tokenizer.special_token_ids(tiny_tokenizer.build_tokenizer(opts.registers))
-    register_ids = torch.tensor([ids[t] for t in tiny_tokenizer.REGISTER_TOKENS[: opts.registers]])
     processor = load_processor(opts.out)
     builder = data.RowBuilder(processor)
+    register_ids = torch.tensor(builder.mid_ids[1:])  # the template's tokens after <|vision_end|>, in cell order
     pad_id = ids["<|endoftext|>"]
     if opts.init_from is not None:  # continue training a saved target (same tokenizer)
         target = Qwen2VLForConditionalGeneration.from_pretrained(opts.init_from, dtype=torch.float32)

@@ -65,7 +65,7 @@ class RowBuilder:
         return prompt + target, [IGNORE] * len(prompt) + target
 
     def text_only_row(self, question: str, answer: str) -> tuple[list[int], list[int]]:
-        """Draft model rows: the same chat text with the image pads removed (vision_start/end kept)."""
+        """Draft model rows: the same chat text with the image pads removed (vision_start/end and registers kept)."""
         return self.row(question, answer, 0)
 
 
