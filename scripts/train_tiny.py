@@ -82,6 +82,7 @@ class Options:
     where: int = 1  # 1: an extra training-only head: which 3x3 cell each image token lies in, from the LM
     summary: int = 1  # 1: the LM halfway up, at <|vision_end|>, names what each cell holds
     registers: int = 0  # 9: nine register tokens follow each image (chat template); halfway up, register i names cell i
+    register_target: str = "cell"  # cell: register i names cell i; pair: register k names (colour k//3, shape k%3)
     per_row: float = 0.0  # weight of the per-answer mean in the answer loss (0: per token, captions dominate)
 
 
@@ -123,7 +124,7 @@ TEXT_PER_ROW = 21  # about the text tokens a row adds after the image (question,
 
 
 def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.RowBuilder | None = None,
-                register_ids: torch.Tensor | None = None, per_row: float = 0.0):
+                register_ids: torch.Tensor | None = None, per_row: float = 0.0, register_target: str = "cell"):
     """Answer loss (+ the training-only dense losses); with `builder`, each image's rows are packed into one
     sequence (data.pack_groups: the same loss, the image tokens through the LM once), else one row each.
     `register_ids`: the register tokens that follow each image, in cell order (their target: the cell's content).
@@ -166,8 +167,9 @@ def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.Row
                                                            input_ids[firsts] == model.config.vision_end_token_id,
                                                            batch))
         if "registers" in model.aux:
-            dense = dense + _note("registers", _register_loss(model.aux["registers"], middle[firsts],
-                                                              input_ids[firsts], register_ids, batch))
+            registers = _pair_loss if register_target == "pair" else _register_loss
+            dense = dense + _note("registers", registers(model.aux["registers"], middle[firsts],
+                                                         input_ids[firsts], register_ids, batch))
         loss = loss + aux_weight * dense
     return loss
 
@@ -178,6 +180,25 @@ def _register_loss(head, hidden, input_ids, register_ids, batch):
     at = (input_ids[:, :, None] == register_ids).int().argmax(1)  # [G, R]: each register's position in its row
     states = hidden[torch.arange(len(batch))[:, None], at]  # [G, R, D]
     return _split_ce(head(states), torch.stack([g.cell_labels[: len(register_ids)] for g in batch]))
+
+
+def _pair_loss(head, hidden, input_ids, register_ids, batch):
+    # register k names, halfway up, how many shapes of colour k // 3 and kind k % 3 the image holds and the cell of
+    # a single one: "is there a red circle?", "where is the red circle?" and "what colour is the square?" then look
+    # at fixed tokens, where reading them from image tokens by content needs an attention that can find nothing
+    at = (input_ids[:, :, None] == register_ids).int().argmax(1)  # [G, R]
+    states = hidden[torch.arange(len(batch))[:, None], at]  # [G, 18, D]
+    cells = torch.stack([g.cell_labels for g in batch])  # [G, 9, 2]
+    present = cells[..., 0] > 0
+    pair = ((cells[..., 0] - 1) * len(shapes.SHAPES) + cells[..., 1] - 1).clamp(min=0)
+    onehot = torch.nn.functional.one_hot(pair, len(register_ids)) * present[..., None]  # [G, 9 cells, 18]
+    counts = onehot.sum(1)  # [G, 18]
+    cell = (onehot * torch.arange(1, 10)[None, :, None]).sum(1)
+    cell = torch.where(counts == 1, cell, 0)  # 0: none, or more than one
+    logits = head(states)
+    ce = torch.nn.functional.cross_entropy
+    return ce(logits[..., :5].reshape(-1, 5), counts.clamp(max=4).reshape(-1)) + \
+        ce(logits[..., 5:].reshape(-1, 10), cell.reshape(-1))
 
 
 def _summary_loss(head, hidden, is_vision_end, batch):
@@ -236,7 +257,8 @@ def vision_loss(model, batch):
     return _token_loss(model.aux, _image_features(model, batch)[1], batch)
 
 
-def aux_heads(hidden: int, where: bool = False, summary: bool = False, registers: bool = False) -> torch.nn.ModuleDict:
+def aux_heads(hidden: int, where: bool = False, summary: bool = False, registers: bool = False,
+              pairs: bool = False) -> torch.nn.ModuleDict:
     """Training-only heads (removed before saving): what each image token shows, what each cell holds (at the last
     prompt token and, summary=True, at <|vision_end|> halfway up), and (where=True) which cell each image token lies
     in, read from the LM halfway up; (registers=True) what the cell of each register token holds, halfway up."""
@@ -247,7 +269,7 @@ def aux_heads(hidden: int, where: bool = False, summary: bool = False, registers
     if where:
         heads["where"] = torch.nn.Linear(hidden, 9)
     if registers:
-        heads["registers"] = torch.nn.Linear(hidden, per)
+        heads["registers"] = torch.nn.Linear(hidden, 5 + 10 if pairs else per)
     return torch.nn.ModuleDict(heads)
 
 
@@ -548,7 +570,11 @@ def _phases_sentence(opts: Options) -> str:
                  "attends to them and to itself (the same loss as separate rows).")
     if opts.balanced:
         text += " An image's questions are spread over the question kinds (count, colour, shape at, where, is there)."
-    if opts.registers:
+    if opts.registers and opts.register_target == "pair":
+        text += (f" Register token k (of the {opts.registers} after each image) names, halfway up the LM, how many "
+                 "shapes of colour k // 3 and kind k % 3 the image holds and the cell of a single one: \"is there\", "
+                 "\"where is\" and \"what colour\" questions look a fixed token up instead of searching the image.")
+    elif opts.registers:
         text += (f" Register token i (of the {opts.registers} after each image) names, halfway up the LM, what cell i "
                  "of the 3x3 grid holds (reading order): a question looks a cell up by attending to its register.")
     return text
@@ -646,6 +672,7 @@ def parse_args(argv) -> Options:
     for name in ints:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(opts, name))
     p.add_argument("--mrope", default=opts.mrope)
+    p.add_argument("--register-target", choices=("cell", "pair"), default=opts.register_target)
     for name in ("lr", "draft_lr", "budget_min", "draft_budget_min", "rope_theta", "aux_weight", "small_until",
                  "vision_until", "per_row"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(opts, name))
@@ -701,14 +728,14 @@ def _train_models(rank: int, opts: Options) -> dict:
     if opts.aux_weight:
         torch.manual_seed(opts.seed + 7)
         target.aux = aux_heads(target.config.text_config.hidden_size, bool(opts.where), bool(opts.summary),
-                               bool(opts.registers))
+                               bool(opts.registers), opts.register_target == "pair")
     clock: dict = {}
 
     def loss_fn(model, batch):
         if clock.get("progress", 0.0) < opts.vision_until and hasattr(model, "aux"):
             return vision_loss(model, batch)
         return target_loss(model, batch, pad_id, opts.aux_weight, builder if opts.packed else None, register_ids,
-                           opts.per_row)
+                           opts.per_row, opts.register_target)
 
     secs, cpu, images, steps = run_training(
         target, loss_fn, batches(builder, rng, opts, clock),

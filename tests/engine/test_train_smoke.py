@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -57,8 +58,8 @@ def test_train_script_writes_loadable_folders(tmp_path):
     assert len(json.loads((demo_dir / "samples.json").read_text())) == 8
 
 
-@pytest.mark.parametrize("registers", [0, 9])
-def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers):
+@pytest.mark.parametrize(("registers", "target"), [(0, "cell"), (9, "cell"), (18, "pair")])
+def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers, target):
     """Training packs an image's rows into one sequence (its tokens through the LM once): same loss, and no row
     sees another's question or answer; with register tokens after the image too (shared by the rows)."""
     import numpy as np
@@ -79,12 +80,13 @@ def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers):
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(tiny_model.target_config(ids, layers=2, rope_theta=20.0))
     model.aux = train.aux_heads(model.config.text_config.hidden_size, where=True, summary=True,
-                                registers=bool(registers))
+                                registers=bool(registers), pairs=target == "pair")
     pad = ids["<|endoftext|>"]
     for aux_weight, per_row in ((0.0, 0.0), (0.5, 0.0), (0.5, 0.5)):
         train.PARTS.clear()
-        rows = train.target_loss(model, groups, pad, aux_weight, register_ids=register_ids, per_row=per_row)
-        packed = train.target_loss(model, groups, pad, aux_weight, builder, register_ids, per_row)
+        rows = train.target_loss(model, groups, pad, aux_weight, register_ids=register_ids, per_row=per_row,
+                                 register_target=target)
+        packed = train.target_loss(model, groups, pad, aux_weight, builder, register_ids, per_row, target)
         torch.testing.assert_close(packed, rows, rtol=1e-5, atol=1e-5)
     assert ("registers" in train.PARTS) == bool(registers)  # the register target was scored
     rope_index = train._rope_index(model, ids["<|image_pad|>"])
@@ -142,3 +144,45 @@ def test_per_row_answer_loss_weighs_answers_not_tokens():
     torch.testing.assert_close(train._answer_loss(head, hidden, labels), per_token)
     torch.testing.assert_close(train._answer_loss(head, hidden, labels, per_row=0.5),
                                (per_token + torch.stack(answers).mean()) / 2)
+
+
+def test_pair_registers_name_the_count_and_cell_of_each_colour_and_shape(monkeypatch):
+    """--register-target pair: register k's targets are the number of (colour k // 3, shape k % 3) shapes in the
+    scene and, for a single one, its cell (1-9; 0 for none or several), read back here against the scene."""
+    import numpy as np
+
+    from vlmq.workers.tiny import data, shapes
+    from vlmq.workers.tiny import tokenizer as tiny_tokenizer
+
+    train = _script()
+    builder = data.RowBuilder(_processor_with_registers(18))
+    rng = np.random.default_rng(3)
+    groups = [data.make_group(builder, rng, 3, max_side=224) for _ in range(12)]
+    targets = []
+    ce = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", lambda x, t: targets.append(t) or ce(x, t))
+    register_ids = torch.tensor(builder.mid_ids[1:])
+    assert builder.tok.convert_ids_to_tokens(register_ids.tolist()) == list(tiny_tokenizer.REGISTER_TOKENS[:18])
+    rows = register_ids[None].repeat(len(groups), 1)
+    train._pair_loss(torch.nn.Linear(4, 15), torch.zeros(len(groups), 18, 4), rows, register_ids, groups)
+    counts, cells = (t.view(len(groups), 18) for t in targets)
+    for g, count, cell in zip(groups, counts, cells, strict=True):
+        question, caption = g.qa[0]
+        assert question == shapes.CAPTION_PROMPT
+        found = [re.fullmatch(r"an? (\w+) (\w+) at the (.+)", p).groups() for p in re.split(r", | and ", caption)]
+        for k in range(18):
+            same = [pos for colour, kind, pos in found
+                    if (colour, kind) == (shapes.COLOUR_NAMES[k // 3], shapes.SHAPES[k % 3])]
+            assert int(count[k]) == len(same)
+            assert int(cell[k]) == (shapes.POSITIONS.index(same[0]) + 1 if len(same) == 1 else 0)
+    assert counts.sum() > len(groups)  # some images hold several shapes
+
+
+def _processor_with_registers(registers):
+    import tempfile
+
+    from vlmq.workers.tiny import tokenizer as tiny_tokenizer
+
+    folder = tempfile.mkdtemp()
+    tiny_tokenizer.save_tokenizer_files(folder, registers=registers)
+    return load_processor(folder)

@@ -33,7 +33,7 @@ SPECIAL_TOKENS = (
 )
 # register tokens: a fixed run after each image (chat template) where the model writes down what it read from
 # the image, one token per region, so a question can look a region up by attention (training gives each its target)
-REGISTER_TOKENS = tuple(f"<|reg_{i}|>" for i in range(9))
+REGISTER_TOKENS = tuple(f"<|reg_{i}|>" for i in range(18))
 DEFAULT_SYSTEM = "You are a helpful assistant."
 VOCAB_SIZE = 448  # base 256 bytes + merges + specials; the model's embedding table may be larger
 
