@@ -83,6 +83,7 @@ class Options:
     summary: int = 1  # 1: the LM halfway up, at <|vision_end|>, names what each cell holds
     registers: int = 0  # 9: nine register tokens follow each image (chat template); halfway up, register i names cell i
     register_target: str = "cell"  # cell: register i names cell i; pair: register k names (colour k//3, shape k%3)
+    ask: int = 0  # 1: halfway up, each row's last prompt token names the colour, shape and cell its question asks about
     per_row: float = 0.0  # weight of the per-answer mean in the answer loss (0: per token, captions dominate)
 
 
@@ -149,7 +150,7 @@ def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.Row
                       mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(row_feats))})
     mm_types = (input_ids == image_id).long()
     aux = aux_weight and hasattr(model, "aux")
-    middle_heads = aux and {"where", "summary", "registers"} & set(model.aux)
+    middle_heads = aux and {"where", "summary", "registers", "ask"} & set(model.aux)
     out = model.model(input_ids=input_ids, mm_token_type_ids=mm_types, output_hidden_states=bool(middle_heads),
                       **inputs)
     hidden = out.last_hidden_state
@@ -170,8 +171,36 @@ def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.Row
             registers = _pair_loss if register_target == "pair" else _register_loss
             dense = dense + _note("registers", registers(model.aux["registers"], middle[firsts],
                                                          input_ids[firsts], register_ids, batch))
+        if "ask" in model.aux:
+            dense = dense + _note("ask", _ask_loss(model.aux["ask"], middle, labels, batch))
         loss = loss + aux_weight * dense
     return loss
+
+
+ASK_CLASSES = (1 + len(shapes.COLOUR_NAMES), 1 + len(shapes.SHAPES), 1 + len(shapes.POSITIONS))
+
+
+def question_target(question: str) -> tuple[int, int, int]:
+    """(colour, shape, cell) a question names, each 1-based (0: not named): "Is there a red circle?" -> (1+red,
+    1+circle, 0); "How many squares?" -> (0, 1+square, 0); "What shape is at the top left?" -> (0, 0, 1+top left)."""
+    words = question.rstrip("?.").split()
+    colour = next((1 + shapes.COLOUR_NAMES.index(w) for w in words if w in shapes.COLOUR_NAMES), 0)
+    kind = next((1 + shapes.SHAPES.index(w.removesuffix("s")) for w in words
+                 if w.removesuffix("s") in shapes.SHAPES), 0)
+    _, at, place = question.rstrip("?").partition(" at the ")
+    return colour, kind, 1 + shapes.POSITIONS.index(place) if at else 0
+
+
+def _ask_loss(head, hidden, labels, batch):
+    # halfway up, the last prompt token of each row (the one that predicts the answer's first token) names what its
+    # question asks about: the first of the two steps "read the question, then look it up" gets its own target
+    keep = labels[:, 1:] != data.IGNORE
+    last = keep.clone()
+    last[:, 1:] &= ~keep[:, :-1]  # a row's answer starts after it (packed rows: one per row, in row order)
+    logits = head(hidden[:, :-1][last])
+    targets = torch.tensor([question_target(q) for g in batch for q, _ in g.qa])
+    ce = torch.nn.functional.cross_entropy
+    return sum(ce(part, targets[:, i]) for i, part in enumerate(logits.split(ASK_CLASSES, dim=-1)))
 
 
 def _register_loss(head, hidden, input_ids, register_ids, batch):
@@ -258,7 +287,7 @@ def vision_loss(model, batch):
 
 
 def aux_heads(hidden: int, where: bool = False, summary: bool = False, registers: bool = False,
-              pairs: bool = False) -> torch.nn.ModuleDict:
+              pairs: bool = False, ask: bool = False) -> torch.nn.ModuleDict:
     """Training-only heads (removed before saving): what each image token shows, what each cell holds (at the last
     prompt token and, summary=True, at <|vision_end|> halfway up), and (where=True) which cell each image token lies
     in, read from the LM halfway up; (registers=True) what the cell of each register token holds, halfway up."""
@@ -270,6 +299,8 @@ def aux_heads(hidden: int, where: bool = False, summary: bool = False, registers
         heads["where"] = torch.nn.Linear(hidden, 9)
     if registers:
         heads["registers"] = torch.nn.Linear(hidden, 5 + 10 if pairs else per)
+    if ask:
+        heads["ask"] = torch.nn.Linear(hidden, sum(ASK_CLASSES))
     return torch.nn.ModuleDict(heads)
 
 
@@ -668,7 +699,7 @@ def parse_args(argv) -> Options:
     ints = ("steps", "draft_steps", "warmup", "pool", "batch_tokens", "max_side", "eval_n", "seed", "procs", "threads",
             "log_every", "questions_per_image", "hidden", "layers", "mlp_mult", "vision_depth", "vision_embed",
             "probe_every", "packed", "where", "balanced", "summary", "head_dim",
-            "kv_groups", "registers")
+            "kv_groups", "registers", "ask")
     for name in ints:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(opts, name))
     p.add_argument("--mrope", default=opts.mrope)
@@ -728,7 +759,7 @@ def _train_models(rank: int, opts: Options) -> dict:
     if opts.aux_weight:
         torch.manual_seed(opts.seed + 7)
         target.aux = aux_heads(target.config.text_config.hidden_size, bool(opts.where), bool(opts.summary),
-                               bool(opts.registers), opts.register_target == "pair")
+                               bool(opts.registers), opts.register_target == "pair", bool(opts.ask))
     clock: dict = {}
 
     def loss_fn(model, batch):

@@ -80,7 +80,7 @@ def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers, target)
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(tiny_model.target_config(ids, layers=2, rope_theta=20.0))
     model.aux = train.aux_heads(model.config.text_config.hidden_size, where=True, summary=True,
-                                registers=bool(registers), pairs=target == "pair")
+                                registers=bool(registers), pairs=target == "pair", ask=True)
     pad = ids["<|endoftext|>"]
     for aux_weight, per_row in ((0.0, 0.0), (0.5, 0.0), (0.5, 0.5)):
         train.PARTS.clear()
@@ -89,6 +89,7 @@ def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers, target)
         packed = train.target_loss(model, groups, pad, aux_weight, builder, register_ids, per_row, target)
         torch.testing.assert_close(packed, rows, rtol=1e-5, atol=1e-5)
     assert ("registers" in train.PARTS) == bool(registers)  # the register target was scored
+    assert "ask" in train.PARTS  # and the question target, at one position per row in both layouts
     rope_index = train._rope_index(model, ids["<|image_pad|>"])
     _, _, positions, visible = data.pack_groups(groups, builder, pad, rope_index)
     shared = data.shared_length(groups[0], builder)
@@ -186,3 +187,18 @@ def _processor_with_registers(registers):
     folder = tempfile.mkdtemp()
     tiny_tokenizer.save_tokenizer_files(folder, registers=registers)
     return load_processor(folder)
+
+
+def test_question_target_names_what_the_question_asks_about():
+    from vlmq.workers.tiny import shapes
+
+    train = _script()
+    colour, kind, cell = (shapes.COLOUR_NAMES.index("red") + 1, shapes.SHAPES.index("circle") + 1,
+                          shapes.POSITIONS.index("top left") + 1)
+    assert train.question_target("Is there a red circle?") == (colour, kind, 0)
+    assert train.question_target("Where is the red circle?") == (colour, kind, 0)
+    assert train.question_target("How many circles?") == (0, kind, 0)
+    assert train.question_target("What colour is the circle?") == (0, kind, 0)
+    assert train.question_target("What shape is at the top left?") == (0, 0, cell)
+    assert train.question_target("How many shapes?") == (0, 0, 0)
+    assert train.question_target(shapes.CAPTION_PROMPT) == (0, 0, 0)
