@@ -55,7 +55,7 @@ class Options:
     warmup: int = 60
     pool: int = 48  # images generated at a time, then bucketed by size
     batch_tokens: int = 1024  # padded LM tokens per step and process
-    questions_per_image: int = 3  # 1 = caption or question; n > 1 = caption + n-1 distinct questions
+    questions_per_image: int = 5  # 1 = caption or question; n > 1 = caption + n-1 distinct questions
     packed: int = 1  # 1: an image's rows share one pass of its tokens through the LM (data.pack_groups)
     balanced: int = 1  # 1: an image's questions spread over the question kinds (shapes.balanced_questions)
     max_side: int | None = None  # restrict image sides (smoke tests)
@@ -81,9 +81,9 @@ class Options:
     vision_until: float = 0.1  # first phase: the vision tower alone learns what each image token shows
     where: int = 1  # 1: an extra training-only head: which 3x3 cell each image token lies in, from the LM
     summary: int = 1  # 1: the LM halfway up, at <|vision_end|>, names what each cell holds
-    registers: int = 0  # 9: nine register tokens follow each image (chat template); halfway up, register i names cell i
-    register_target: str = "cell"  # cell: register i names cell i; pair: register k names (colour k//3, shape k%3)
-    ask: int = 0  # 1: halfway up, each row's last prompt token names the colour, shape and cell its question asks about
+    registers: int = 18  # register tokens after each image (chat template); what they name: register_target
+    register_target: str = "pair"  # cell: register i names cell i; pair: register k names (colour k//3, shape k%3)
+    ask: int = 1  # 1: halfway up, each row's last prompt token names the colour, shape and cell its question asks about
     per_row: float = 0.0  # weight of the per-answer mean in the answer loss (0: per token, captions dominate)
 
 
@@ -608,6 +608,9 @@ def _phases_sentence(opts: Options) -> str:
     elif opts.registers:
         text += (f" Register token i (of the {opts.registers} after each image) names, halfway up the LM, what cell i "
                  "of the 3x3 grid holds (reading order): a question looks a cell up by attending to its register.")
+    if opts.ask:
+        text += (" Halfway up, the last prompt token of each row names the colour, shape and cell its question asks "
+                 "about: the question is read before it is looked up.")
     return text
 
 
