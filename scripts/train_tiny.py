@@ -710,7 +710,11 @@ def parse_args(argv) -> Options:
     for name in ("lr", "draft_lr", "budget_min", "draft_budget_min", "rope_theta", "aux_weight", "small_until",
                  "vision_until", "per_row"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(opts, name))
-    return Options(**vars(p.parse_args(argv)))
+    opts = Options(**vars(p.parse_args(argv)))
+    pairs = len(shapes.COLOUR_NAMES) * len(shapes.SHAPES)
+    if opts.registers and opts.register_target == "pair" and opts.registers != pairs:
+        p.error(f"--register-target pair needs --registers {pairs} (one per colour and shape)")
+    return opts
 
 
 def train(opts: Options) -> dict:
