@@ -125,10 +125,11 @@ TEXT_PER_ROW = 21  # about the text tokens a row adds after the image (question,
 
 
 def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.RowBuilder | None = None,
-                register_ids: torch.Tensor | None = None, per_row: float = 0.0, register_target: str = "cell"):
+                register_ids: torch.Tensor | None = None, per_row: float = 0.0):
     """Answer loss (+ the training-only dense losses); with `builder`, each image's rows are packed into one
     sequence (data.pack_groups: the same loss, the image tokens through the LM once), else one row each.
-    `register_ids`: the register tokens that follow each image, in cell order (their target: the cell's content).
+    `register_ids`: the register tokens that follow each image, in template order (their target: model.aux's
+    "registers" head names a cell's content, its "pairs" head a colour and shape's count and cell).
     `per_row`: the weight of the per-answer mean in the answer loss (_answer_loss)."""
     grids, feats = _image_features(model, batch)
     image_id = model.config.image_token_id
@@ -150,7 +151,7 @@ def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.Row
                       mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(row_feats))})
     mm_types = (input_ids == image_id).long()
     aux = aux_weight and hasattr(model, "aux")
-    middle_heads = aux and {"where", "summary", "registers", "ask"} & set(model.aux)
+    middle_heads = aux and {"where", "summary", "registers", "pairs", "ask"} & set(model.aux)
     out = model.model(input_ids=input_ids, mm_token_type_ids=mm_types, output_hidden_states=bool(middle_heads),
                       **inputs)
     hidden = out.last_hidden_state
@@ -167,10 +168,10 @@ def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.Row
             dense = dense + _note("summary", _summary_loss(model.aux["summary"], middle[firsts],
                                                            input_ids[firsts] == model.config.vision_end_token_id,
                                                            batch))
-        if "registers" in model.aux:
-            registers = _pair_loss if register_target == "pair" else _register_loss
-            dense = dense + _note("registers", registers(model.aux["registers"], middle[firsts],
-                                                         input_ids[firsts], register_ids, batch))
+        for name, register_loss in (("registers", _register_loss), ("pairs", _pair_loss)):
+            if name in model.aux:
+                states = _register_states(middle[firsts], input_ids[firsts], register_ids)
+                dense = dense + _note(name, register_loss(model.aux[name], states, batch))
         if "ask" in model.aux:
             dense = dense + _note("ask", _ask_loss(model.aux["ask"], middle, labels, batch))
         loss = loss + aux_weight * dense
@@ -194,40 +195,43 @@ def question_target(question: str) -> tuple[int, int, int]:
 def _ask_loss(head, hidden, labels, batch):
     # halfway up, the last prompt token of each row (the one that predicts the answer's first token) names what its
     # question asks about: the first of the two steps "read the question, then look it up" gets its own target
-    keep = labels[:, 1:] != data.IGNORE
-    last = keep.clone()
-    last[:, 1:] &= ~keep[:, :-1]  # a row's answer starts after it (packed rows: one per row, in row order)
-    logits = head(hidden[:, :-1][last])
+    last = _answer_starts(labels[:, 1:] != data.IGNORE)  # one per row (packed rows too), in row order
     targets = torch.tensor([question_target(q) for g in batch for q, _ in g.qa])
-    ce = torch.nn.functional.cross_entropy
-    return sum(ce(part, targets[:, i]) for i, part in enumerate(logits.split(ASK_CLASSES, dim=-1)))
+    return _split_ce(head(hidden[:, :-1][last]), targets, ASK_CLASSES)
 
 
-def _register_loss(head, hidden, input_ids, register_ids, batch):
+def _register_states(hidden, input_ids, register_ids):
+    # [G, R, D]: each image's register tokens' states (found by token, so packed and separate rows alike)
+    at = (input_ids[:, :, None] == register_ids).int().argmax(1)  # [G, R]: each register's position in its row
+    return hidden[torch.arange(len(hidden))[:, None], at]
+
+
+def _register_loss(head, states, batch):
     # register i (a token after the image) names what cell i holds, halfway up: nine places a question can look a
     # cell up by attention, where one summary state had to hold the whole layout
-    at = (input_ids[:, :, None] == register_ids).int().argmax(1)  # [G, R]: each register's position in its row
-    states = hidden[torch.arange(len(batch))[:, None], at]  # [G, R, D]
-    return _split_ce(head(states), torch.stack([g.cell_labels[: len(register_ids)] for g in batch]))
+    return _split_ce(head(states), torch.stack([g.cell_labels[: states.shape[1]] for g in batch]))
 
 
-def _pair_loss(head, hidden, input_ids, register_ids, batch):
+NUM_PAIRS = len(shapes.COLOUR_NAMES) * len(shapes.SHAPES)  # --register-target pair: one register per pair
+PAIR_CLASSES = (5, 1 + len(shapes.POSITIONS))  # how many (0-4), the cell of a single one (0: none or several)
+
+
+def pair_targets(cell_labels: torch.Tensor) -> torch.Tensor:
+    """[..., 9, 2] (colour, shape in each cell, 0 = nothing) -> [..., NUM_PAIRS, 2]: for pair k (colour k // 3,
+    shape k % 3) how many cells hold it and, when one does, that cell (1-9; 0 for none or several)."""
+    present = cell_labels[..., 0] > 0
+    pair = ((cell_labels[..., 0] - 1) * len(shapes.SHAPES) + cell_labels[..., 1] - 1).clamp(min=0)
+    onehot = torch.nn.functional.one_hot(pair, NUM_PAIRS) * present[..., None]  # [..., 9 cells, pairs]
+    counts = onehot.sum(-2)
+    cell = (onehot * torch.arange(1, 10)[:, None]).sum(-2)
+    return torch.stack([counts.clamp(max=PAIR_CLASSES[0] - 1), torch.where(counts == 1, cell, 0)], -1)
+
+
+def _pair_loss(head, states, batch):
     # register k names, halfway up, how many shapes of colour k // 3 and kind k % 3 the image holds and the cell of
     # a single one: "is there a red circle?", "where is the red circle?" and "what colour is the square?" then look
     # at fixed tokens, where reading them from image tokens by content needs an attention that can find nothing
-    at = (input_ids[:, :, None] == register_ids).int().argmax(1)  # [G, R]
-    states = hidden[torch.arange(len(batch))[:, None], at]  # [G, 18, D]
-    cells = torch.stack([g.cell_labels for g in batch])  # [G, 9, 2]
-    present = cells[..., 0] > 0
-    pair = ((cells[..., 0] - 1) * len(shapes.SHAPES) + cells[..., 1] - 1).clamp(min=0)
-    onehot = torch.nn.functional.one_hot(pair, len(register_ids)) * present[..., None]  # [G, 9 cells, 18]
-    counts = onehot.sum(1)  # [G, 18]
-    cell = (onehot * torch.arange(1, 10)[None, :, None]).sum(1)
-    cell = torch.where(counts == 1, cell, 0)  # 0: none, or more than one
-    logits = head(states)
-    ce = torch.nn.functional.cross_entropy
-    return ce(logits[..., :5].reshape(-1, 5), counts.clamp(max=4).reshape(-1)) + \
-        ce(logits[..., 5:].reshape(-1, 10), cell.reshape(-1))
+    return _split_ce(head(states), pair_targets(torch.stack([g.cell_labels for g in batch])), PAIR_CLASSES)
 
 
 def _summary_loss(head, hidden, is_vision_end, batch):
@@ -286,29 +290,35 @@ def vision_loss(model, batch):
     return _token_loss(model.aux, _image_features(model, batch)[1], batch)
 
 
-def aux_heads(hidden: int, where: bool = False, summary: bool = False, registers: bool = False,
-              pairs: bool = False, ask: bool = False) -> torch.nn.ModuleDict:
+def aux_heads(hidden: int, where: bool = False, summary: bool = False, registers: str = "",
+              ask: bool = False) -> torch.nn.ModuleDict:
     """Training-only heads (removed before saving): what each image token shows, what each cell holds (at the last
     prompt token and, summary=True, at <|vision_end|> halfway up), and (where=True) which cell each image token lies
-    in, read from the LM halfway up; (registers=True) what the cell of each register token holds, halfway up."""
+    in, read from the LM halfway up; halfway up, registers="cell": what the cell of each register token holds,
+    registers="pair": each register's colour and shape count and cell (pair_targets); ask=True: what each row's
+    question names, at its last prompt token (question_target)."""
     per = sum(AUX_CLASSES)
     heads = {"token": torch.nn.Linear(hidden, per), "cell": torch.nn.Linear(hidden, 9 * per)}
     if summary:
         heads["summary"] = torch.nn.Linear(hidden, 9 * per)
     if where:
         heads["where"] = torch.nn.Linear(hidden, 9)
-    if registers:
-        heads["registers"] = torch.nn.Linear(hidden, 5 + 10 if pairs else per)
+    if registers == "cell":
+        heads["registers"] = torch.nn.Linear(hidden, per)
+    elif registers == "pair":
+        heads["pairs"] = torch.nn.Linear(hidden, sum(PAIR_CLASSES))
+    elif registers:
+        raise ValueError(f"registers must be '', 'cell' or 'pair', got {registers!r}")
     if ask:
         heads["ask"] = torch.nn.Linear(hidden, sum(ASK_CLASSES))
     return torch.nn.ModuleDict(heads)
 
 
-def _split_ce(logits, targets):
-    colour, shape = logits.split(AUX_CLASSES, dim=-1)
+def _split_ce(logits, targets, classes=AUX_CLASSES):
+    # one cross-entropy per target column: logits [..., sum(classes)], targets [..., len(classes)]
     ce = torch.nn.functional.cross_entropy
-    return ce(colour.reshape(-1, AUX_CLASSES[0]), targets[..., 0].reshape(-1)) + \
-        ce(shape.reshape(-1, AUX_CLASSES[1]), targets[..., 1].reshape(-1))
+    return sum(ce(part.reshape(-1, n), targets[..., i].reshape(-1))
+               for i, (part, n) in enumerate(zip(logits.split(classes, dim=-1), classes, strict=True)))
 
 
 def _aux_loss(aux, feats, hidden, labels, batch, firsts):
@@ -362,12 +372,18 @@ def _answer_loss(head, hidden, labels, per_row: float = 0.0):
     return (1 - per_row) * losses.mean() + per_row * (losses / sizes[answer]).sum() / len(sizes)
 
 
+def _answer_starts(keep: torch.Tensor) -> torch.Tensor:
+    # the first scored position of each answer (a run of scored positions within a row: packed rows are separated
+    # by the next row's unscored question; rows end in padding or at the row's end); it is the row's last prompt
+    # token, the one that predicts the answer's first token
+    starts = keep.clone()
+    starts[:, 1:] &= ~keep[:, :-1]
+    return starts
+
+
 def _answer_index(keep: torch.Tensor) -> torch.Tensor:
-    # which answer each scored position belongs to: an answer is a run of scored positions within a row (packed
-    # rows are separated by the next row's unscored question; rows end in padding or at the row's end)
-    runs = keep.clone()
-    runs[:, 1:] &= ~keep[:, :-1]  # first position of each run (a row's first scored position always starts one)
-    return runs.reshape(-1).cumsum(0).view_as(keep)[keep] - 1
+    # which answer each scored position belongs to (a row's first scored position always starts one)
+    return _answer_starts(keep).reshape(-1).cumsum(0).view_as(keep)[keep] - 1
 
 
 def draft_loss(model, batch, builder, pad_id):
@@ -562,7 +578,7 @@ def write_model_cards(opts: Options, report: dict, argv: list[str]) -> None:
         vocab=len(processor.tokenizer),
         registers="" if not opts.registers else (
             f", and after each image {opts.registers} register tokens (`<|reg_0|>` ...), where the model writes "
-            "down what each region of the image holds"),
+            "down what it read from the image"),
         rows=_rows_sentence(opts), status=_status(report),
         phases=_phases_sentence(opts), token=TINY_SHAPES_POLICY.factor, theta=opts.rope_theta,
         summary=" Another names what each cell holds from the LM halfway up at `<|vision_end|>`, the first token "
@@ -711,9 +727,8 @@ def parse_args(argv) -> Options:
                  "vision_until", "per_row"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(opts, name))
     opts = Options(**vars(p.parse_args(argv)))
-    pairs = len(shapes.COLOUR_NAMES) * len(shapes.SHAPES)
-    if opts.registers and opts.register_target == "pair" and opts.registers != pairs:
-        p.error(f"--register-target pair needs --registers {pairs} (one per colour and shape)")
+    if opts.registers and opts.register_target == "pair" and opts.registers != NUM_PAIRS:
+        p.error(f"--register-target pair needs --registers {NUM_PAIRS} (one per colour and shape)")
     return opts
 
 
@@ -746,7 +761,7 @@ def _train_models(rank: int, opts: Options) -> dict:
     ids = tiny_tokenizer.special_token_ids(tiny_tokenizer.build_tokenizer(opts.registers))
     processor = load_processor(opts.out)
     builder = data.RowBuilder(processor)
-    register_ids = torch.tensor(builder.mid_ids[1:])  # the template's tokens after <|vision_end|>, in cell order
+    register_ids = torch.tensor(builder.mid_ids[1:])  # the template's tokens after <|vision_end|>, in order
     pad_id = ids["<|endoftext|>"]
     if opts.init_from is not None:  # continue training a saved target (same tokenizer)
         target = Qwen2VLForConditionalGeneration.from_pretrained(opts.init_from, dtype=torch.float32)
@@ -766,14 +781,14 @@ def _train_models(rank: int, opts: Options) -> dict:
     if opts.aux_weight:
         torch.manual_seed(opts.seed + 7)
         target.aux = aux_heads(target.config.text_config.hidden_size, bool(opts.where), bool(opts.summary),
-                               bool(opts.registers), opts.register_target == "pair", bool(opts.ask))
+                               opts.register_target if opts.registers else "", bool(opts.ask))
     clock: dict = {}
 
     def loss_fn(model, batch):
         if clock.get("progress", 0.0) < opts.vision_until and hasattr(model, "aux"):
             return vision_loss(model, batch)
         return target_loss(model, batch, pad_id, opts.aux_weight, builder if opts.packed else None, register_ids,
-                           opts.per_row, opts.register_target)
+                           opts.per_row)
 
     secs, cpu, images, steps = run_training(
         target, loss_fn, batches(builder, rng, opts, clock),

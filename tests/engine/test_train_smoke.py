@@ -80,15 +80,15 @@ def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers, target)
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(tiny_model.target_config(ids, layers=2, rope_theta=20.0))
     model.aux = train.aux_heads(model.config.text_config.hidden_size, where=True, summary=True,
-                                registers=bool(registers), pairs=target == "pair", ask=True)
+                                registers=target if registers else "", ask=True)
     pad = ids["<|endoftext|>"]
     for aux_weight, per_row in ((0.0, 0.0), (0.5, 0.0), (0.5, 0.5)):
         train.PARTS.clear()
-        rows = train.target_loss(model, groups, pad, aux_weight, register_ids=register_ids, per_row=per_row,
-                                 register_target=target)
-        packed = train.target_loss(model, groups, pad, aux_weight, builder, register_ids, per_row, target)
+        rows = train.target_loss(model, groups, pad, aux_weight, register_ids=register_ids, per_row=per_row)
+        packed = train.target_loss(model, groups, pad, aux_weight, builder, register_ids, per_row)
         torch.testing.assert_close(packed, rows, rtol=1e-5, atol=1e-5)
-    assert ("registers" in train.PARTS) == bool(registers)  # the register target was scored
+    head = {"cell": "registers", "pair": "pairs"}[target]
+    assert (head in train.PARTS) == bool(registers)  # the register target was scored
     assert "ask" in train.PARTS  # and the question target, at one position per row in both layouts
     rope_index = train._rope_index(model, ids["<|image_pad|>"])
     _, _, positions, visible = data.pack_groups(groups, builder, pad, rope_index)
@@ -147,46 +147,43 @@ def test_per_row_answer_loss_weighs_answers_not_tokens():
                                (per_token + torch.stack(answers).mean()) / 2)
 
 
-def test_pair_registers_name_the_count_and_cell_of_each_colour_and_shape(monkeypatch):
+def test_pair_registers_name_the_count_and_cell_of_each_colour_and_shape():
     """--register-target pair: register k's targets are the number of (colour k // 3, shape k % 3) shapes in the
-    scene and, for a single one, its cell (1-9; 0 for none or several), read back here against the scene."""
+    image and, for a single one, its cell (1-9; 0 for none or several), read back here against the caption."""
     import numpy as np
 
-    from vlmq.workers.tiny import data, shapes
-    from vlmq.workers.tiny import tokenizer as tiny_tokenizer
+    from vlmq.workers.tiny import data
 
     train = _script()
-    builder = data.RowBuilder(_processor_with_registers(18))
+    builder = data.RowBuilder(load_processor(train.TARGET_DIR))
     rng = np.random.default_rng(3)
     groups = [data.make_group(builder, rng, 3, max_side=224) for _ in range(12)]
-    targets = []
-    ce = torch.nn.functional.cross_entropy
-    monkeypatch.setattr(torch.nn.functional, "cross_entropy", lambda x, t: targets.append(t) or ce(x, t))
-    register_ids = torch.tensor(builder.mid_ids[1:])
-    assert builder.tok.convert_ids_to_tokens(register_ids.tolist()) == list(tiny_tokenizer.REGISTER_TOKENS[:18])
-    rows = register_ids[None].repeat(len(groups), 1)
-    train._pair_loss(torch.nn.Linear(4, 15), torch.zeros(len(groups), 18, 4), rows, register_ids, groups)
-    counts, cells = (t.view(len(groups), 18) for t in targets)
-    for g, count, cell in zip(groups, counts, cells, strict=True):
+    targets = train.pair_targets(torch.stack([g.cell_labels for g in groups]))
+    assert targets.shape == (len(groups), 18, 2)
+    for g, target in zip(groups, targets, strict=True):
         question, caption = g.qa[0]
         assert question == shapes.CAPTION_PROMPT
         found = [re.fullmatch(r"an? (\w+) (\w+) at the (.+)", p).groups() for p in re.split(r", | and ", caption)]
-        for k in range(18):
+        for k, (count, cell) in enumerate(target.tolist()):
             same = [pos for colour, kind, pos in found
                     if (colour, kind) == (shapes.COLOUR_NAMES[k // 3], shapes.SHAPES[k % 3])]
-            assert int(count[k]) == len(same)
-            assert int(cell[k]) == (shapes.POSITIONS.index(same[0]) + 1 if len(same) == 1 else 0)
-    assert counts.sum() > len(groups)  # some images hold several shapes
+            assert count == len(same)
+            assert cell == (shapes.POSITIONS.index(same[0]) + 1 if len(same) == 1 else 0)
+    assert (targets[..., 0] > 1).any()  # some image holds two shapes of one colour and kind
 
 
-def _processor_with_registers(registers):
-    import tempfile
+def test_ask_target_sits_on_each_rows_last_prompt_token():
+    import numpy as np
 
-    from vlmq.workers.tiny import tokenizer as tiny_tokenizer
+    from vlmq.workers.tiny import data
 
-    folder = tempfile.mkdtemp()
-    tiny_tokenizer.save_tokenizer_files(folder, registers=registers)
-    return load_processor(folder)
+    train = _script()
+    builder = data.RowBuilder(load_processor(train.TARGET_DIR))
+    rows = data.make_group(builder, np.random.default_rng(0), 4, max_side=150).rows
+    _, labels, _ = data.pad_rows(rows, 0)
+    starts = train._answer_starts(labels[:, 1:] != data.IGNORE)
+    prompt_lengths = [sum(label == data.IGNORE for label in row_labels) for _, row_labels in rows]
+    assert starts.nonzero().tolist() == [[r, n - 1] for r, n in enumerate(prompt_lengths)]
 
 
 def test_question_target_names_what_the_question_asks_about():
