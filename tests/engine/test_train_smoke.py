@@ -33,7 +33,7 @@ def test_train_script_writes_loadable_folders(tmp_path):
         "--steps", "3", "--draft-steps", "2", "--warmup", "1", "--pool", "4", "--max-side", "84",
         "--eval-n", "0", "--log-every", "1", "--procs", "1",
         "--vision-until", "0.4", "--packed", "1", "--where", "1", "--summary", "1", "--balanced", "1",  # options
-        "--registers", "18", "--register-target", "pair", "--ask", "1",
+        "--registers", "18", "--register-target", "pair", "--ask", "1", "--phrase", "1",
     ])
     assert rc == 0
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
@@ -58,7 +58,7 @@ def test_train_script_writes_loadable_folders(tmp_path):
     assert len(json.loads((demo_dir / "samples.json").read_text())) == 8
 
 
-@pytest.mark.parametrize(("registers", "target"), [(0, "cell"), (9, "cell"), (18, "pair")])
+@pytest.mark.parametrize(("registers", "target"), [(0, "cell"), (9, "cell"), (18, "pair"), (27, "both")])
 def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers, target):
     """Training packs an image's rows into one sequence (its tokens through the LM once): same loss, and no row
     sees another's question or answer; with register tokens after the image too (shared by the rows)."""
@@ -80,16 +80,19 @@ def test_packed_rows_give_the_loss_of_separate_rows(tmp_path, registers, target)
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(tiny_model.target_config(ids, layers=2, rope_theta=20.0))
     model.aux = train.aux_heads(model.config.text_config.hidden_size, where=True, summary=True,
-                                registers=target if registers else "", ask=True)
+                                registers=target if registers else "", ask=True, phrase=True)
     pad = ids["<|endoftext|>"]
+    separators = train.separator_ids(builder.tok)
     for aux_weight, per_row in ((0.0, 0.0), (0.5, 0.0), (0.5, 0.5)):
         train.PARTS.clear()
-        rows = train.target_loss(model, groups, pad, aux_weight, register_ids=register_ids, per_row=per_row)
-        packed = train.target_loss(model, groups, pad, aux_weight, builder, register_ids, per_row)
+        rows = train.target_loss(model, groups, pad, aux_weight, register_ids=register_ids, per_row=per_row,
+                                 separator_ids=separators)
+        packed = train.target_loss(model, groups, pad, aux_weight, builder, register_ids, per_row, separators)
         torch.testing.assert_close(packed, rows, rtol=1e-5, atol=1e-5)
-    head = {"cell": "registers", "pair": "pairs"}[target]
-    assert (head in train.PARTS) == bool(registers)  # the register target was scored
+    heads = {"cell": ["registers"], "pair": ["pairs"], "both": ["registers", "pairs"]}[target]
+    assert all((head in train.PARTS) == bool(registers) for head in heads)  # the register targets were scored
     assert "ask" in train.PARTS  # and the question target, at one position per row in both layouts
+    assert "phrase" in train.PARTS  # and the caption's phrase target, at every caption position
     rope_index = train._rope_index(model, ids["<|image_pad|>"])
     _, _, positions, visible = data.pack_groups(groups, builder, pad, rope_index)
     shared = data.shared_length(groups[0], builder)
@@ -199,3 +202,31 @@ def test_question_target_names_what_the_question_asks_about():
     assert train.question_target("What shape is at the top left?") == (0, 0, cell)
     assert train.question_target("How many shapes?") == (0, 0, 0)
     assert train.question_target(shapes.CAPTION_PROMPT) == (0, 0, 0)
+
+
+def test_phrase_target_names_the_shape_each_caption_token_describes():
+    """--phrase: each caption token's target is the (colour, shape, cell) of its phrase, read back against the
+    caption text; a separator belongs to the phrase it opens and <|im_end|> to none."""
+    import numpy as np
+
+    from vlmq.workers.tiny import data
+
+    train = _script()
+    builder = data.RowBuilder(load_processor(train.TARGET_DIR))
+    separators = train.separator_ids(builder.tok)
+    assert len(separators) == 2
+    rng = np.random.default_rng(5)
+    for g in [data.make_group(builder, rng, 2, max_side=224) for _ in range(12)]:
+        _, labels = g.rows[0]
+        tokens = torch.tensor([t for t in labels if t != data.IGNORE])
+        targets = train.phrase_targets(tokens, g.cell_labels, separators).tolist()
+        words = [builder.tok.decode([t]) for t in tokens.tolist()]
+        assert words[-1] == "<|im_end|>" and targets[-1] == [0, 0, 0]
+        phrase, expected = -1, []
+        found = [re.fullmatch(r"an? (\w+) (\w+) at the (.+)", p).groups() for p in re.split(r", | and ", g.qa[0][1])]
+        for word in words[:-1]:
+            phrase += word in (",", " and") or phrase < 0
+            colour, kind, place = found[phrase]
+            expected.append([shapes.COLOUR_NAMES.index(colour) + 1, shapes.SHAPES.index(kind) + 1,
+                             shapes.POSITIONS.index(place) + 1])
+        assert targets[:-1] == expected

@@ -34,7 +34,7 @@ SPECIAL_TOKENS = (
 # register tokens: a fixed run after each image (chat template) where the model writes down what it read from
 # the image (one per cell, or one per colour and shape), so a question can look it up by attention (training
 # gives each its target: scripts/train_tiny.py --register-target)
-REGISTER_TOKENS = tuple(f"<|reg_{i}|>" for i in range(18))
+REGISTER_TOKENS = tuple(f"<|reg_{i}|>" for i in range(27))
 DEFAULT_SYSTEM = "You are a helpful assistant."
 VOCAB_SIZE = 448  # base 256 bytes + merges + specials; the model's embedding table may be larger
 
