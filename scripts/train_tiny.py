@@ -81,8 +81,8 @@ class Options:
     vision_until: float = 0.1  # first phase: the vision tower alone learns what each image token shows
     where: int = 1  # 1: an extra training-only head: which 3x3 cell each image token lies in, from the LM
     summary: int = 1  # 1: the LM halfway up, at <|vision_end|>, names what each cell holds
-    registers: int = 18  # register tokens after each image (chat template); what they name: register_target
-    register_target: str = "pair"  # cell: register i names cell i; pair: register k names (colour k//3, shape k%3)
+    registers: int = 27  # register tokens after each image (chat template); what they name: register_target
+    register_target: str = "both"  # cell: register i names cell i; pair: register k names (colour k//3, shape k%3)
     # both: nine cell registers, then the eighteen pair registers
     ask: int = 1  # 1: halfway up, each row's last prompt token names the colour, shape and cell its question asks about
     phrase: int = 1  # 1: halfway up, each caption token names the colour, shape and cell of the phrase it continues

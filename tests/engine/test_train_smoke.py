@@ -33,7 +33,7 @@ def test_train_script_writes_loadable_folders(tmp_path):
         "--steps", "3", "--draft-steps", "2", "--warmup", "1", "--pool", "4", "--max-side", "84",
         "--eval-n", "0", "--log-every", "1", "--procs", "1",
         "--vision-until", "0.4", "--packed", "1", "--where", "1", "--summary", "1", "--balanced", "1",  # options
-        "--registers", "18", "--register-target", "pair", "--ask", "1", "--phrase", "1",
+        "--registers", "27", "--register-target", "both", "--ask", "1", "--phrase", "1",
     ])
     assert rc == 0
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
@@ -46,10 +46,10 @@ def test_train_script_writes_loadable_folders(tmp_path):
     processor = load_processor(target_dir)
     ex = shapes.make_example(0, size=(70, 90))
     prompt = render_prompt(processor, ex.question)
-    assert "<|vision_end|>" + "".join(f"<|reg_{i}|>" for i in range(18)) + ex.question in prompt
+    assert "<|vision_end|>" + "".join(f"<|reg_{i}|>" for i in range(27)) + ex.question in prompt
     inputs = processor(text=[prompt], images=[ex.image], return_tensors="pt")
     assert sum(processor.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist()).count(f"<|reg_{i}|>")
-               for i in range(18)) == 18  # one token each
+               for i in range(27)) == 27  # one token each
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert out.shape[1] > inputs["input_ids"].shape[1]
