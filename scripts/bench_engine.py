@@ -54,6 +54,10 @@ def build_random_30m(out_dir: Path) -> Path:
     model.save_pretrained(out_dir)
     for name in PROCESSOR_FILES:
         shutil.copy(BUNDLED / name, out_dir / name)
+    # the bundled processor cuts 28-px patches (tiny-shapes); this model keeps Qwen2-VL's 14 px
+    processor_cfg = json.loads((out_dir / "preprocessor_config.json").read_text())
+    processor_cfg["patch_size"] = vision["patch_size"]
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(processor_cfg, indent=2))
     return out_dir
 
 
