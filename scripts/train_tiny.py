@@ -340,9 +340,8 @@ def aux_heads(hidden: int, where: bool = False, summary: bool = False, registers
     prompt token and, summary=True, at <|vision_end|> halfway up), and (where=True) which cell each image token lies
     in, read from the LM halfway up; halfway up, registers="cell": what the cell of each register token holds,
     registers="pair": each register's colour and shape count and cell (pair_targets), registers="both": nine cell
-    registers, then the pair registers; ask=True: what each row's
-    question names, at its last prompt token (question_target); phrase=True: the shape each caption token's phrase
-    describes (phrase_targets)."""
+    registers, then the pair registers; ask=True: what each row's question names, at its last prompt token
+    (question_target); phrase=True: the shape each caption token's phrase describes (phrase_targets)."""
     per = sum(AUX_CLASSES)
     heads = {"token": torch.nn.Linear(hidden, per), "cell": torch.nn.Linear(hidden, 9 * per)}
     if summary:

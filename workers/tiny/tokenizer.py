@@ -32,7 +32,7 @@ SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 # register tokens: a fixed run after each image (chat template) where the model writes down what it read from
-# the image (one per cell, or one per colour and shape), so a question can look it up by attention (training
+# the image (one per cell, one per colour and shape, or both), so a question can look it up by attention (training
 # gives each its target: scripts/train_tiny.py --register-target)
 REGISTER_TOKENS = tuple(f"<|reg_{i}|>" for i in range(27))
 DEFAULT_SYSTEM = "You are a helpful assistant."
