@@ -172,11 +172,12 @@ def target_loss(model, batch, pad_id, aux_weight: float = 0.0, builder: data.Row
             dense = dense + _note("summary", _summary_loss(model.aux["summary"], middle[firsts],
                                                            input_ids[firsts] == model.config.vision_end_token_id,
                                                            batch))
-        if {"registers", "pairs"} & set(model.aux):  # cell registers first (up to 9), then the pair registers
+        if {"registers", "pairs"} & set(model.aux):  # cell registers first (up to nine), then the pair registers
             states = _register_states(middle[firsts], input_ids[firsts], register_ids)
             if "registers" in model.aux:
-                dense = dense + _note("registers", _register_loss(model.aux["registers"], states[:, :9], batch))
-                states = states[:, 9:]
+                dense = dense + _note("registers", _register_loss(model.aux["registers"], states[:, :NUM_CELLS],
+                                                                  batch))
+                states = states[:, NUM_CELLS:]
             if "pairs" in model.aux:
                 dense = dense + _note("pairs", _pair_loss(model.aux["pairs"], states, batch))
         if "ask" in model.aux:
@@ -237,7 +238,7 @@ def _phrase_loss(head, hidden, labels, batch, separator_ids):
     rows = [(g, q) for g in batch for q, _ in g.qa]
     captions = [i for i, (_, q) in enumerate(rows) if q == shapes.CAPTION_PROMPT]
     if not captions:
-        return hidden.sum() * 0
+        return hidden.new_zeros(())
     targets = torch.cat([phrase_targets(tokens[answer == i], rows[i][0].cell_labels, separator_ids)
                          for i in captions])
     pick = torch.isin(answer, torch.tensor(captions))
@@ -256,6 +257,7 @@ def _register_loss(head, states, batch):
     return _split_ce(head(states), torch.stack([g.cell_labels[: states.shape[1]] for g in batch]))
 
 
+NUM_CELLS = len(shapes.POSITIONS)  # --register-target cell: one register per cell of the 3x3 grid
 NUM_PAIRS = len(shapes.COLOUR_NAMES) * len(shapes.SHAPES)  # --register-target pair: one register per pair
 PAIR_CLASSES = (5, 1 + len(shapes.POSITIONS))  # how many (0-4), the cell of a single one (0: none or several)
 
@@ -541,12 +543,14 @@ def size_band(ex) -> str:
     return "56-224" if side <= 224 else "225-448" if side <= 448 else "449-768" if side <= 768 else "769-1024"
 
 
-def evaluate_folder(target_dir: Path, draft_dir: Path | None, n: int, seed: int = EVAL_SEED) -> dict:
+def evaluate_folder(target_dir: Path, draft_dir: Path | None, n: int, seed: int = EVAL_SEED, **split) -> dict:
+    """Greedy exact match of a folder on shapes.make_split(seed, n, **split), by size and question kind (+ the
+    draft's agreement with the target on the first 100, with `draft_dir`)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     processor = load_processor(target_dir)
     target = AutoModelForImageTextToText.from_pretrained(target_dir).eval()
-    examples = shapes.make_split(seed, n)
+    examples = shapes.make_split(seed, n, **split)
     t0 = time.time()
     answers = evaluate.greedy_answers(target, processor, examples)
     result = {"n": n, "seed": seed, "exact_match": evaluate.exact_match(examples, answers),
@@ -668,18 +672,16 @@ def _phases_sentence(opts: Options) -> str:
                  "attends to them and to itself (the same loss as separate rows).")
     if opts.balanced:
         text += " An image's questions are spread over the question kinds (count, colour, shape at, where, is there)."
-    if opts.registers and opts.register_target == "both":
-        text += (" Halfway up the LM, register token i of the first nine after each image names what cell i of the "
-                 "3x3 grid holds, and register 9 + k of the next eighteen how many shapes of colour k // 3 and kind "
-                 "k % 3 the image holds and the cell of a single one: questions and captions look fixed tokens up "
-                 "instead of searching the image.")
-    elif opts.registers and opts.register_target == "pair":
-        text += (f" Register token k (of the {opts.registers} after each image) names, halfway up the LM, how many "
-                 "shapes of colour k // 3 and kind k % 3 the image holds and the cell of a single one: \"is there\", "
-                 "\"where is\" and \"what colour\" questions look a fixed token up instead of searching the image.")
-    elif opts.registers:
-        text += (f" Register token i (of the {opts.registers} after each image) names, halfway up the LM, what cell i "
-                 "of the 3x3 grid holds (reading order): a question looks a cell up by attending to its register.")
+    if opts.registers:
+        names = []
+        if opts.register_target in ("cell", "both"):
+            names.append("register i (of the first nine) names what cell i of the 3x3 grid holds (reading order)")
+        if opts.register_target in ("pair", "both"):
+            first = "register 9 + k" if names else "register k"
+            names.append(f"{first} names how many shapes of colour k // 3 and kind k % 3 the image holds and the "
+                         "cell of a single one")
+        text += (f" Halfway up the LM, of the {opts.registers} register tokens after each image, " + ", and ".join(
+            names) + ": questions and captions look fixed tokens up instead of searching the image.")
     if opts.ask:
         text += (" Halfway up, the last prompt token of each row names the colour, shape and cell its question asks "
                  "about: the question is read before it is looked up.")
@@ -786,10 +788,10 @@ def parse_args(argv) -> Options:
                  "vision_until", "per_row"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(opts, name))
     opts = Options(**vars(p.parse_args(argv)))
-    if opts.registers and opts.register_target == "pair" and opts.registers != NUM_PAIRS:
-        p.error(f"--register-target pair needs --registers {NUM_PAIRS} (one per colour and shape)")
-    if opts.registers and opts.register_target == "both" and opts.registers != 9 + NUM_PAIRS:
-        p.error(f"--register-target both needs --registers {9 + NUM_PAIRS} (one per cell, colour and shape)")
+    needed = {"pair": NUM_PAIRS, "both": NUM_CELLS + NUM_PAIRS}.get(opts.register_target)
+    if opts.registers and needed and opts.registers != needed:
+        p.error(f"--register-target {opts.register_target} needs --registers {needed} (cells first, then one per "
+                "colour and shape)")
     return opts
 
 

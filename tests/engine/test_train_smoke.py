@@ -18,6 +18,11 @@ from vlmq.workers.tiny import shapes
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny.py"
 
 
+def _caption_shapes(caption: str) -> list[tuple[str, str, str]]:
+    """(colour, shape, position) of each phrase of a caption, read from its text (the grammar of shapes.caption)."""
+    return [re.fullmatch(r"an? (\w+) (\w+) at the (.+)", p).groups() for p in re.split(r", | and ", caption)]
+
+
 def _script():
     spec = importlib.util.spec_from_file_location("train_tiny", SCRIPT)
     module = importlib.util.module_from_spec(spec)
@@ -166,7 +171,7 @@ def test_pair_registers_name_the_count_and_cell_of_each_colour_and_shape():
     for g, target in zip(groups, targets, strict=True):
         question, caption = g.qa[0]
         assert question == shapes.CAPTION_PROMPT
-        found = [re.fullmatch(r"an? (\w+) (\w+) at the (.+)", p).groups() for p in re.split(r", | and ", caption)]
+        found = _caption_shapes(caption)
         for k, (count, cell) in enumerate(target.tolist()):
             same = [pos for colour, kind, pos in found
                     if (colour, kind) == (shapes.COLOUR_NAMES[k // 3], shapes.SHAPES[k % 3])]
@@ -223,10 +228,29 @@ def test_phrase_target_names_the_shape_each_caption_token_describes():
         words = [builder.tok.decode([t]) for t in tokens.tolist()]
         assert words[-1] == "<|im_end|>" and targets[-1] == [0, 0, 0]
         phrase, expected = -1, []
-        found = [re.fullmatch(r"an? (\w+) (\w+) at the (.+)", p).groups() for p in re.split(r", | and ", g.qa[0][1])]
+        found = _caption_shapes(g.qa[0][1])
         for word in words[:-1]:
             phrase += word in (",", " and") or phrase < 0
             colour, kind, place = found[phrase]
             expected.append([shapes.COLOUR_NAMES.index(colour) + 1, shapes.SHAPES.index(kind) + 1,
                              shapes.POSITIONS.index(place) + 1])
         assert targets[:-1] == expected
+
+
+def test_eval_script_reports_every_split_the_readme_quotes(capsys):
+    """scripts/eval_tiny.py: the README's accuracy figures (seed 7, the tests' seed 9, questions-only seed 21,
+    captions-only seed 22) come from one run of it; here a small slice of each split on the bundled weights."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("eval_tiny", SCRIPT.parent / "eval_tiny.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        report = module.main(["--scale", "0.02"])
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert set(report) == {"eval", "tests", "questions", "captions"}
+    assert [report[k]["seed"] for k in ("eval", "tests", "questions", "captions")] == [7, 9, 21, 22]
+    assert set(report["captions"]["by_question"]) == {"caption"}
+    assert "caption" not in report["questions"]["by_question"]
+    assert report["questions"]["n"] == 12 and report["captions"]["exact_match"] >= 0.5
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(report))
