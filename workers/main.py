@@ -47,6 +47,23 @@ def worker_queues(spec: ModelSpec, settings: Settings, classes: str) -> dict[str
     return costs
 
 
+def no_cuda_reason() -> str | None:
+    """Why no CUDA device can be used here (None when one can): one line for the user."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch, or use --device cpu"
+    if torch.cuda.device_count() == 0:
+        return "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES), or use --device cpu"
+    return None
+
+
+def check_device(device: str) -> None:
+    """Exit with one clear line when a CUDA device is asked for and none can be used."""
+    if device.startswith("cuda") and (reason := no_cuda_reason()):
+        raise SystemExit(f"vlmq worker: cannot use device {device!r}: {reason}")
+
+
 def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     """Load the model and consume this model's queues until stopped."""
     from vlmq.workers.app import make_worker_app
@@ -56,6 +73,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
 
+    check_device(settings.device)
     spec = resolve_model(model, settings)
     budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
                         settings.worker_batch)
@@ -86,9 +104,10 @@ def _gpu_ids(gpus: str) -> list[str]:
 
 def run_gpu_workers(settings: Settings, model: str, gpus: str) -> int:
     """One child worker per GPU; stops them all on SIGTERM/SIGINT, restarts one that dies."""
+    check_device("cuda")
     ids = _gpu_ids(gpus)
     if not ids:
-        raise SystemExit("no GPUs found; use --device cpu")
+        raise SystemExit("vlmq worker: --gpus named no GPU ids; use --gpus all, --gpus 0,1 or --device cpu")
     children: dict[str, subprocess.Popen[bytes]] = {}
     stopping = False
 

@@ -38,13 +38,14 @@ def test_wheel_has_no_generic_top_level_names_and_imports(tmp_path: Path) -> Non
     assert "vlmq/workers/assets/tiny-shapes/model.safetensors" in names
     assert "vlmq/demo_assets/samples.json" in names
     assert "vlmq/py.typed" in names
-    # installed into a fresh environment (dependencies from this one), it imports from site-packages
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--force-reinstall", "-q", str(wheel)], check=True)
-    code = ("import vlmq.workers.main, vlmq.kernels, vlmq.workers.backends; import os; "
+    # installed into a folder of its own and imported from there (dependencies from this environment): a nested
+    # venv with --system-site-packages would see the base interpreter's packages, not this venv's
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True)
+    code = (f"import sys; sys.path.insert(0, {str(target)!r}); "
+            "import vlmq.workers.main, vlmq.kernels, vlmq.workers.backends; import os; "
             "print(os.path.dirname(vlmq.workers.__file__))")
-    run = subprocess.run([str(py), "-I", "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    assert str(venv) in run.stdout and str(ROOT) not in run.stdout
+    assert run.stdout.strip() == str(target / "vlmq" / "workers")
