@@ -40,6 +40,7 @@ def test_submit_writes_record_input_and_a_json_message_on_the_class_queue(client
     job = client.submit(png(1000, 1000), "How many circles?", max_new_tokens=10, priority=2)
     info = job.info()
     assert job.status() is JobStatus.QUEUED
+    assert f"{job.status()}" == str(job.status()) == "queued"  # what print(job.status()) shows
     assert info["cost_class"] == "s" and info["queue"] == "vlmq.tiny-shapes.s"
     assert int(info["vision_tokens"]) == 18 * 18 and int(info["encoder_patches"]) == 4 * 18 * 18
     assert client.storage.get(info["input_key"]) == png(1000, 1000)
@@ -62,9 +63,20 @@ def test_image_sources_path_file_object_pil_and_s3_uri(client: Client, tmp_path:
     jobs = [client.submit(path, "Describe the image."), client.submit(str(path), "Describe the image."),
             client.submit(Image.new("RGB", (60, 40)), "Describe the image.")]
     assert all(j.status() is JobStatus.QUEUED for j in jobs)
+    for outside in ("s3://elsewhere/img.png", f"file://{tmp_path}/img.png"):
+        with pytest.raises(InvalidRequest) as err:
+            client.submit(outside, "Describe the image.")
+        assert err.value.code == "bad_image_source" and "not in this pool's storage" in str(err.value)
+
+
+def test_a_uri_in_the_pools_storage_is_read_through_storage_with_the_byte_cap(client: Client) -> None:
+    client.storage.put("uploads/cat.png", png(64, 64))
+    job = client.submit(f"{client.storage.url}/uploads/cat.png", "Describe the image.")
+    assert client.storage.get(job.info()["input_key"]) == png(64, 64)
+    client.storage.put("uploads/big.png", png(64, 64) + bytes(client.settings.max_image_bytes))
     with pytest.raises(InvalidRequest) as err:
-        client.submit("s3://elsewhere/img.png", "Describe the image.")
-    assert err.value.code == "bad_image_source"
+        client.submit(f"{client.storage.url}/uploads/big.png", "Describe the image.")
+    assert err.value.code == "image_too_large"
 
 
 def test_idempotency_key_returns_the_first_job(client: Client) -> None:
