@@ -5,8 +5,8 @@ module-level :func:`transition` and :func:`read` on their own Redis connection.
 
 Lifetimes (nothing here is kept forever): a record is written with a TTL of ``VLMQ_JOB_TTL``
 and every transition that passes a TTL (``JobStore`` always does; workers do on final
-statuses) sets it again, so a record lives at most ``VLMQ_JOB_TTL`` after its last such
-write, whether or not the job ever ends. The done list lives ``DONE_TTL`` seconds; the
+statuses) sets it again; others keep it. So a record expires ``VLMQ_JOB_TTL`` after submit,
+or after the job ends: a job that never ends does not outlive it. The done list lives ``DONE_TTL`` seconds; the
 cancel flag and idempotency keys live ``VLMQ_JOB_TTL``.
 """
 from __future__ import annotations
