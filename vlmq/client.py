@@ -19,7 +19,7 @@ from vlmq.images import ImageInfo, ImageLimits, ImageSource, is_storage_url, loa
 from vlmq.jobs import Job, new_job_id
 from vlmq.models import ModelSpec, cost_classes, resolve_model
 from vlmq.queue import DEFAULT_PRIORITY, TASK_NAME, make_celery
-from vlmq.request import DEFAULT_MODEL, JobRequest
+from vlmq.request import DEFAULT_MODEL, JobRequest, fingerprint
 from vlmq.settings import Settings
 from vlmq.storage import ObjectTooLarge, Storage, open_storage
 from vlmq.store import JobStatus, JobStore, now
@@ -41,6 +41,10 @@ class _Prepared:
     @property
     def queue(self) -> str:
         return keys.queue(self.spec.name, self.cost.cost_class)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.request, self.spec.name, self.sha256)
 
 
 class Client:
@@ -199,11 +203,13 @@ class Client:
 
     def _submit(self, items: list[_Prepared], wait_for_room: float) -> list[Job]:
         job_ids = [new_job_id() for _ in items]
-        fresh = self._claim_idempotency(items, job_ids)
+        claimed: list[str] = []  # idempotency keys this call set: released if nothing gets enqueued
         try:
+            fresh = self._claim_idempotency(items, job_ids, claimed)
             self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
         except BaseException:
-            self._release_idempotency([items[i] for i in fresh])
+            if claimed:
+                self.jobs.call(self.redis.delete, *(keys.idempotency(k) for k in claimed))
             raise
         for item in {items[i].sha256: items[i] for i in fresh}.values():  # one storage check per distinct image
             self._store_input(item)
@@ -213,24 +219,37 @@ class Client:
                 self._publish(job_ids[i], items[i], producer)
         return [Job(self.jobs, job_id) for job_id in job_ids]
 
-    def _claim_idempotency(self, items: list[_Prepared], job_ids: list[str]) -> list[int]:
-        """Claim each request's idempotency key; returns the indices to enqueue (others reuse a job id)."""
+    def _claim_idempotency(self, items: list[_Prepared], job_ids: list[str], claimed: list[str]) -> list[int]:
+        """Claim each request's idempotency key; returns the indices to enqueue (the others reuse a job id)."""
         fresh = []
         for i, item in enumerate(items):
             key = item.request.idempotency_key
-            if key and not self.jobs.call(self.redis.set, keys.idempotency(key), job_ids[i], nx=True,
-                                          ex=self.settings.job_ttl):
-                existing = self.jobs.call(self.redis.get, keys.idempotency(key))
-                if existing:
-                    job_ids[i] = existing.decode()
+            if key:
+                first = self._claim(key, job_ids[i], item.fingerprint)
+                if first:
+                    job_ids[i] = first
                     continue
+                claimed.append(key)
             fresh.append(i)
         return fresh
 
-    def _release_idempotency(self, items: list[_Prepared]) -> None:
-        names = [keys.idempotency(k) for k in {item.request.idempotency_key for item in items} if k]
-        if names:
-            self.jobs.call(self.redis.delete, *names)
+    def _claim(self, key: str, job_id: str, fingerprint: str) -> str | None:
+        """Bind ``key`` to this job and request; returns the first job's id if the key was bound already.
+
+        Raises:
+            InvalidRequest: ``idempotency_conflict``, the key is bound to a different request.
+        """
+        # SET NX GET: one atomic step that either binds the key or returns what it is bound to
+        stored: bytes | None = self.jobs.call(self.redis.set, keys.idempotency(key), f"{job_id} {fingerprint}",
+                                              nx=True, get=True, ex=self.settings.job_ttl)
+        if stored is None:
+            return None
+        first_id, _, first_fingerprint = stored.decode().partition(" ")
+        if first_fingerprint != fingerprint:
+            raise InvalidRequest(f"idempotency key {key!r} was used for a different request (job {first_id}); "
+                                 "the same key must come with the same image, prompt and parameters",
+                                 code="idempotency_conflict")
+        return first_id
 
     def _store_input(self, item: _Prepared) -> None:
         input_key = keys.input_object(item.sha256)

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmq import keys
+from vlmq import keys, records
 from vlmq.client import Client
 from vlmq.embedded import free_port
 from vlmq.errors import BackendError, InvalidRequest, JobFailed, JobNotFound, JobTimeout, QueueFull
-from vlmq.jobs import JobStatus
+from vlmq.jobs import Job, JobStatus
+from vlmq.request import JobRequest
 from vlmq.settings import Settings
 
 
@@ -79,11 +80,34 @@ def test_a_uri_in_the_pools_storage_is_read_through_storage_with_the_byte_cap(cl
     assert err.value.code == "image_too_large"
 
 
-def test_idempotency_key_returns_the_first_job(client: Client) -> None:
+def test_an_idempotency_key_returns_the_first_job_for_the_same_request_only(client: Client) -> None:
     first = client.submit(png(), "Describe the image.", idempotency_key="k1")
-    again = client.submit(png(200, 200), "Other question?", idempotency_key="k1")
+    assert client.submit(png(), "Describe the image.", idempotency_key="k1").id == first.id
+    [again] = client.submit_many([JobRequest(png(), "Describe the image.", idempotency_key="k1")])
+    assert again.id == first.id
     other = client.submit(png(), "Describe the image.", idempotency_key="k2")
-    assert again.id == first.id != other.id
+    assert other.id != first.id
+    changes = [dict(image=png(200, 200)), dict(prompt="Other question?"), dict(max_new_tokens=7),
+               dict(priority=1), dict(ignore_eos=True)]
+    for change in changes:
+        request = {"image": png(), "prompt": "Describe the image.", "idempotency_key": "k1", **change}
+        with pytest.raises(InvalidRequest) as err:
+            client.submit(request.pop("image"), request.pop("prompt"), **request)
+        assert err.value.code == "idempotency_conflict" and first.id in str(err.value), change
+    assert len(_queued_messages(client, "vlmq.tiny-shapes.xs")) == 2
+
+
+def test_an_idempotency_conflict_in_a_batch_enqueues_nothing_and_frees_its_keys(client: Client) -> None:
+    first = client.submit(png(), "Describe the image.", idempotency_key="k1")
+    batch = [{"image": png(), "prompt": "How many shapes?", "idempotency_key": "new"},
+             {"image": png(), "prompt": "Another question?", "idempotency_key": "k1"}]
+    with pytest.raises(InvalidRequest) as err:
+        client.submit_many(batch)
+    assert err.value.code == "idempotency_conflict"
+    assert not client.redis.exists(keys.idempotency("new")) and len(client.redis.keys(keys.job("*"))) == 1
+    batch[1]["prompt"] = "Describe the image."
+    jobs = client.submit_many(batch + [batch[0]])  # the same key twice in a batch is one job
+    assert jobs[1].id == first.id and jobs[0].id == jobs[2].id != first.id
     assert len(_queued_messages(client, "vlmq.tiny-shapes.xs")) == 2
 
 
@@ -143,3 +167,77 @@ def test_full_queue_raises_queue_full_or_waits_for_room(redis_client: object, re
         assert client.submit(png(), "Describe the image.", wait_for_room=5).status() is JobStatus.QUEUED
         assert client.queue_depth("tiny-shapes", "xs") == 3
         assert len(client.redis.keys(keys.job("*"))) == 5
+
+
+def _wait_until_a_client_blocks(client: Client, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any("b" in c["flags"] for c in client.redis.client_list()):
+        assert time.monotonic() < deadline, "result() never blocked on the done list"
+        time.sleep(0.01)
+
+
+def test_a_job_that_was_waited_on_leaves_its_done_list_with_a_ttl(client: Client) -> None:
+    job = client.submit(png(), "Describe the image.")
+
+    def finish_like_a_worker() -> None:
+        _wait_until_a_client_blocks(client)
+        doc = {"job_id": job.id, "model": "tiny-shapes", "text": "ok", "token_ids": [1], "finish_reason": "stop",
+               "usage": {}, "timings": {}, "worker": "test"}
+        client.storage.put(keys.result_object(job.id), json.dumps(doc).encode())
+        records.transition(client.redis, job.id, [JobStatus.QUEUED], JobStatus.FINISHED, ttl=60)
+
+    worker = threading.Thread(target=finish_like_a_worker)
+    worker.start()
+    assert job.result(timeout=20).text == "ok"
+    worker.join()
+    assert client.redis.lrange(keys.done(job.id), 0, -1) == [b"finished"]
+    assert 0 < client.redis.ttl(keys.done(job.id)) <= records.DONE_TTL
+    assert job.result(timeout=1).text == "ok"  # a second waiter still finds it
+
+
+def test_records_of_jobs_that_never_end_expire(redis_client: object, redis_url: str, tmp_path: Path) -> None:
+    settings = Settings(broker_url=redis_url, storage_url=f"file://{tmp_path}", job_ttl=100)
+    with Client(settings=settings) as client:
+        job = client.submit(png(), "Describe the image.")
+        assert 90 < client.redis.ttl(keys.job(job.id)) <= 100
+        assert client.redis.ttl(keys.done(job.id)) == -2  # no done list before the job ends
+        records.transition(client.redis, job.id, [JobStatus.QUEUED], JobStatus.STARTED)  # what a worker does
+        client.redis.expire(keys.job(job.id), 50)
+        assert 40 < client.redis.ttl(keys.job(job.id)) <= 50  # a start keeps the record's TTL
+        assert job.cancel() is True
+        assert 90 < client.redis.ttl(keys.job(job.id)) <= 100  # the end sets it again
+        assert 90 < client.redis.ttl(keys.canceled(job.id)) <= 100
+        assert all(client.redis.ttl(k) > 0 for k in client.redis.keys("vlmq:*"))
+
+
+def test_canceling_an_unknown_job_stores_nothing(client: Client) -> None:
+    before = client.redis.dbsize()
+    for job_id in ("nope", "x" * 100_000):
+        with pytest.raises(JobNotFound):
+            Job(client.jobs, job_id).cancel()
+    assert client.redis.dbsize() == before == 0
+
+
+def test_submit_many_checks_the_queue_limit_against_the_whole_batch(redis_client: object, redis_url: str,
+                                                                     tmp_path: Path) -> None:
+    settings = Settings(broker_url=redis_url, storage_url=f"file://{tmp_path / 'store'}", max_queue_depth="5")
+    request = {"image": png(), "prompt": "Describe the image."}
+    with Client(settings=settings) as client:
+        with pytest.raises(QueueFull, match="adds 10000 jobs to queue vlmq.tiny-shapes.xs, its limit is 5"):
+            client.submit_many([request] * 10_000, wait_for_room=60)
+        assert client.queue_depth("tiny-shapes", "xs") == 0 and client.redis.dbsize() == 0
+        assert not (tmp_path / "store" / "inputs").exists()
+        assert len(client.submit_many([request] * 3)) == 3
+        with pytest.raises(QueueFull, match="holds 3 jobs, its limit is 5"):
+            client.submit_many([request] * 3)
+        assert client.queue_depth("tiny-shapes", "xs") == 3 and len(client.redis.keys(keys.job("*"))) == 3
+        assert len(client.submit_many([JobRequest(png(), "How many shapes?")] * 2)) == 2
+        assert client.queue_depth("tiny-shapes", "xs") == 5
+
+
+def test_submit_many_names_the_request_with_an_unknown_field(client: Client) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        client.submit_many([{"image": png(), "prompt": "Describe the image."},
+                            {"image": png(), "prompt": "Describe the image.", "max_tokens": 5}])
+    assert err.value.code == "unknown_field" and str(err.value).startswith("request 1: unknown field(s) max_tokens")
+    assert client.redis.dbsize() == 0
