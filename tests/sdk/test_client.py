@@ -122,13 +122,14 @@ def test_cancel_a_queued_job(client: Client) -> None:
 
 
 def test_unknown_job_and_result_timeout(client: Client) -> None:
-    with pytest.raises(JobNotFound):
+    with pytest.raises(JobNotFound, match="no job 'nope'"):
         client.job("nope")
     job = client.submit(png(), "Describe the image.")
     start = time.monotonic()
-    with pytest.raises(JobTimeout):
+    with pytest.raises(JobTimeout, match=f"job {job.id} still queued after 0.3 s"):
         job.result(timeout=0.3)
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start >= 0.3  # it waited as long as asked
+    assert job.status() is JobStatus.QUEUED  # a timeout leaves the job alone: it may still finish
 
 
 def test_submit_many_validates_everything_before_enqueueing(client: Client) -> None:
@@ -141,13 +142,13 @@ def test_submit_many_validates_everything_before_enqueueing(client: Client) -> N
     assert len({j.id for j in jobs}) == 3
 
 
-def test_redis_down_raises_backend_error_quickly(tmp_path: Path) -> None:
+def test_redis_down_raises_a_backend_error_naming_the_broker(tmp_path: Path) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
     with Client(settings=Settings(broker_url=dead, storage_url=f"file://{tmp_path}")) as client:
-        start = time.monotonic()
-        with pytest.raises(BackendError):
+        with pytest.raises(BackendError, match=f"Redis at {dead} failed"):
             client.submit(png(), "Describe the image.")
-        assert time.monotonic() - start < 10
+        with pytest.raises(BackendError, match=f"Redis at {dead} failed"):
+            Job(client.jobs, "any").status()
 
 
 def test_full_queue_raises_queue_full_or_waits_for_room(redis_client: object, redis_url: str, tmp_path: Path) -> None:
@@ -160,7 +161,8 @@ def test_full_queue_raises_queue_full_or_waits_for_room(redis_client: object, re
         start = time.monotonic()
         with pytest.raises(QueueFull):
             client.submit(png(), "Describe the image.", wait_for_room=0.5)
-        assert 0.5 <= time.monotonic() - start < 3
+        assert time.monotonic() - start >= 0.5  # it waited for room as long as asked
+        assert client.queue_depth("tiny-shapes", "xs") == 3
         client.submit(png(1000, 1000), "Describe the image.")  # class s has no limit
         # a consumer takes one message: a waiting submit gets in
         threading.Timer(0.3, lambda: client.redis.rpop("vlmq.tiny-shapes.xs:5")).start()
