@@ -54,6 +54,11 @@ class Client:
         broker_url: Redis URL (queues and job records).
         storage_url: ``s3://bucket/prefix`` or ``file:///dir``.
         settings: full settings; ``broker_url``/``storage_url`` override its fields.
+
+    Attributes:
+        settings: the settings in use.
+        storage: the object store (inputs and results).
+        store: the job store (records in Redis) that this client's ``Job`` handles read.
     """
 
     def __init__(self, broker_url: str | None = None, storage_url: str | None = None, *,
@@ -63,14 +68,14 @@ class Client:
         self.settings = dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
         redis = redis_lib.Redis.from_url(self.settings.broker_url, socket_connect_timeout=3, socket_timeout=10)
         self.storage: Storage = open_storage(self.settings.storage_url, self.settings.s3_endpoint_url)
-        self.jobs = JobStore(redis, self.storage, self.settings.job_ttl, self.settings.broker_url)
+        self.store = JobStore(redis, self.storage, self.settings.job_ttl, self.settings.broker_url)
         self._celery = make_celery(self.settings, name="vlmq-producer")
         self._limits = ImageLimits(max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_image_pixels)
 
     @property
     def redis(self) -> Any:
         """The Redis client behind the job store and the queues."""
-        return self.jobs.redis
+        return self.store.redis
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Client:
@@ -146,7 +151,7 @@ class Client:
         Raises:
             JobNotFound: if there is no such job.
         """
-        job = Job(self.jobs, job_id)
+        job = Job(self.store, job_id)
         job.info()
         return job
 
@@ -156,7 +161,7 @@ class Client:
         pipe = self.redis.pipeline(transaction=False)
         for name in lists:
             pipe.llen(name)
-        return sum(self.jobs.call(pipe.execute))
+        return sum(self.store.call(pipe.execute))
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -209,15 +214,15 @@ class Client:
             self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
         except BaseException:
             if claimed:
-                self.jobs.call(self.redis.delete, *(keys.idempotency(k) for k in claimed))
+                self.store.call(self.redis.delete, *(keys.idempotency(k) for k in claimed))
             raise
         for item in {items[i].sha256: items[i] for i in fresh}.values():  # one storage check per distinct image
             self._store_input(item)
-        self.jobs.create(self._record(job_ids[i], items[i]) for i in fresh)
+        self.store.create(self._record(job_ids[i], items[i]) for i in fresh)
         with self._celery.producer_or_acquire() as producer:
             for i in fresh:
                 self._publish(job_ids[i], items[i], producer)
-        return [Job(self.jobs, job_id) for job_id in job_ids]
+        return [Job(self.store, job_id) for job_id in job_ids]
 
     def _claim_idempotency(self, items: list[_Prepared], job_ids: list[str], claimed: list[str]) -> list[int]:
         """Claim each request's idempotency key; returns the indices to enqueue (the others reuse a job id)."""
@@ -240,7 +245,7 @@ class Client:
             InvalidRequest: ``idempotency_conflict``, the key is bound to a different request.
         """
         # SET NX GET: one atomic step that either binds the key or returns what it is bound to
-        stored: bytes | None = self.jobs.call(self.redis.set, keys.idempotency(key), f"{job_id} {fingerprint}",
+        stored: bytes | None = self.store.call(self.redis.set, keys.idempotency(key), f"{job_id} {fingerprint}",
                                               nx=True, get=True, ex=self.settings.job_ttl)
         if stored is None:
             return None
@@ -273,7 +278,7 @@ class Client:
             self._celery.send_task(TASK_NAME, args=[job_id], queue=item.queue, retry=False, producer=producer,
                                    priority=item.request.priority)
         except Exception as e:  # kombu/redis raise many connection errors; the job must not look queued
-            self.jobs.transition(job_id, [JobStatus.QUEUED], JobStatus.FAILED,
+            self.store.transition(job_id, [JobStatus.QUEUED], JobStatus.FAILED,
                                  {"error_type": "backend_error", "error_message": f"publish failed: {e}"})
             raise BackendError(f"could not enqueue job {job_id}: {e}") from e
         log.info("job %s queued (%s, %d vision tokens)", job_id, item.cost.cost_class, item.cost.vision_tokens)

@@ -59,7 +59,7 @@ class Job:
     """Handle on a submitted job; cheap to create, every call reads the job store.
 
     Args:
-        store: the job store the job was submitted to (``Client.jobs``).
+        store: the job store the job was submitted to (``Client.store``).
         job_id: the job's id.
     """
 

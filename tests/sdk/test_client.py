@@ -148,7 +148,7 @@ def test_redis_down_raises_a_backend_error_naming_the_broker(tmp_path: Path) -> 
         with pytest.raises(BackendError, match=f"Redis at {dead} failed"):
             client.submit(png(), "Describe the image.")
         with pytest.raises(BackendError, match=f"Redis at {dead} failed"):
-            Job(client.jobs, "any").status()
+            Job(client.store, "any").status()
 
 
 def test_full_queue_raises_queue_full_or_waits_for_room(redis_client: object, redis_url: str, tmp_path: Path) -> None:
@@ -216,7 +216,7 @@ def test_canceling_an_unknown_job_stores_nothing(client: Client) -> None:
     before = client.redis.dbsize()
     for job_id in ("nope", "x" * 100_000):
         with pytest.raises(JobNotFound):
-            Job(client.jobs, job_id).cancel()
+            Job(client.store, job_id).cancel()
     assert client.redis.dbsize() == before == 0
 
 
