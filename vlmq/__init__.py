@@ -1,11 +1,35 @@
 """vlmq: serve vision-language models as a worker pool behind a message queue.
 
-The SDK (this package) never imports torch; the GPU side lives in ``vlmq.workers``.
+``from vlmq import Client, Job, JobStatus, JobRequest`` is the SDK's front door. The SDK never imports
+torch; the GPU side lives in ``vlmq.workers``. ``import vlmq`` stays cheap: the client and its
+dependencies (redis, Pillow, Celery) load on first use of one of these names.
 """
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from vlmq.errors import BackendError, InvalidRequest, JobFailed, JobNotFound, JobTimeout, QueueFull, VlmqError
+
+if TYPE_CHECKING:
+    from vlmq.client import Client
+    from vlmq.jobs import Job, JobResult
+    from vlmq.request import JobRequest
+    from vlmq.settings import Settings
+    from vlmq.store import JobStatus
 
 __version__ = "0.1.0"
 
+_LAZY = {"Client": "vlmq.client", "Job": "vlmq.jobs", "JobResult": "vlmq.jobs", "JobRequest": "vlmq.request",
+         "JobStatus": "vlmq.store", "Settings": "vlmq.settings"}
+
 __all__ = [
-    "BackendError", "InvalidRequest", "JobFailed", "JobNotFound", "JobTimeout", "QueueFull", "VlmqError",
+    "BackendError", "Client", "InvalidRequest", "Job", "JobFailed", "JobNotFound", "JobRequest", "JobResult",
+    "JobStatus", "JobTimeout", "QueueFull", "Settings", "VlmqError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'vlmq' has no attribute {name!r}")

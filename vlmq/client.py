@@ -5,34 +5,46 @@ import dataclasses
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import redis as redis_lib
 
-from vlmq import keys, records
+from vlmq import keys
 from vlmq.cost import CostEstimate, estimate
-from vlmq.errors import BackendError, InvalidRequest, JobNotFound, QueueFull
-from vlmq.images import ImageInfo, ImageLimits, load_source, probe
-from vlmq.jobs import Job, JobStatus, new_job_id, now
+from vlmq.errors import BackendError, InvalidRequest, QueueFull
+from vlmq.images import ImageInfo, ImageLimits, ImageSource, is_storage_url, load_source, probe
+from vlmq.jobs import Job, new_job_id
 from vlmq.models import ModelSpec, cost_classes, resolve_model
 from vlmq.queue import DEFAULT_PRIORITY, TASK_NAME, make_celery
+from vlmq.request import DEFAULT_MODEL, JobRequest, fingerprint
 from vlmq.settings import Settings
-from vlmq.storage import Storage, open_storage, split_uri
+from vlmq.storage import ObjectTooLarge, Storage, open_storage
+from vlmq.store import JobStatus, JobStore, now
 
 log = logging.getLogger(__name__)
 
-ImageSource = Any  # path, bytes, binary file object, PIL image, or s3:// URI in storage
-_IDEM_TTL = 7 * 24 * 3600
-
 
 @dataclass(frozen=True, slots=True)
-class _Priced:
+class _Prepared:
+    """A request that passed every check, with its priced image."""
+
+    request: JobRequest
+    spec: ModelSpec
     data: bytes
     info: ImageInfo
     sha256: str
     cost: CostEstimate
+
+    @property
+    def queue(self) -> str:
+        return keys.queue(self.spec.name, self.cost.cost_class)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.request, self.spec.name, self.sha256)
 
 
 class Client:
@@ -42,6 +54,11 @@ class Client:
         broker_url: Redis URL (queues and job records).
         storage_url: ``s3://bucket/prefix`` or ``file:///dir``.
         settings: full settings; ``broker_url``/``storage_url`` override its fields.
+
+    Attributes:
+        settings: the settings in use.
+        storage: the object store (inputs and results).
+        store: the job store (records in Redis) that this client's ``Job`` handles read.
     """
 
     def __init__(self, broker_url: str | None = None, storage_url: str | None = None, *,
@@ -49,10 +66,16 @@ class Client:
         base = settings or Settings()
         overrides = {k: v for k, v in (("broker_url", broker_url), ("storage_url", storage_url)) if v}
         self.settings = dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
-        self.redis = redis_lib.Redis.from_url(self.settings.broker_url, socket_connect_timeout=3, socket_timeout=10)
+        redis = redis_lib.Redis.from_url(self.settings.broker_url, socket_connect_timeout=3, socket_timeout=10)
         self.storage: Storage = open_storage(self.settings.storage_url, self.settings.s3_endpoint_url)
+        self.store = JobStore(redis, self.storage, self.settings.job_ttl, self.settings.broker_url)
         self._celery = make_celery(self.settings, name="vlmq-producer")
         self._limits = ImageLimits(max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_image_pixels)
+
+    @property
+    def redis(self) -> Any:
+        """The Redis client behind the job store and the queues."""
+        return self.store.redis
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Client:
@@ -70,20 +93,17 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def submit(self, image: ImageSource, prompt: str, *, model: str = "tiny-shapes", max_new_tokens: int = 128,
+    def submit(self, image: ImageSource, prompt: str, *, model: str = DEFAULT_MODEL, max_new_tokens: int = 128,
                priority: int = DEFAULT_PRIORITY, idempotency_key: str | None = None,
                wait_for_room: float = 0.0, ignore_eos: bool = False) -> Job:
         """Validate, price and enqueue one image job.
 
         Args:
-            image: a path, bytes, a binary file object, a PIL image, or an ``s3://`` URI in the pool's bucket.
+            image: a path, bytes, a binary file object, a PIL image, or a URI in the pool's storage.
             prompt: the question or instruction about the image.
-            model: model name (``tiny-shapes`` is bundled; others come from ``VLMQ_MODELS``).
-            max_new_tokens: most tokens to generate (1 .. ``VLMQ_MAX_NEW_TOKENS``).
-            priority: 0 (highest) to 9 (lowest).
-            idempotency_key: submitting again with the same key returns the first job.
+            model, max_new_tokens, priority, idempotency_key, ignore_eos: as the fields of
+                :class:`vlmq.request.JobRequest`.
             wait_for_room: when the class queue is full, wait up to this many seconds for room.
-            ignore_eos: generate exactly ``max_new_tokens`` tokens (benchmarks and load tests).
 
         Returns:
             A handle on the queued job.
@@ -93,61 +113,37 @@ class Client:
             QueueFull: the class queue stayed at its limit (``VLMQ_MAX_QUEUE_DEPTH``); nothing was enqueued.
             BackendError: Redis or the object store failed.
         """
-        spec = self._check_params(prompt, model, max_new_tokens, priority, idempotency_key)
-        if idempotency_key:
-            existing = self._get(keys.idempotency(idempotency_key))
-            if existing:
-                return Job(self, existing)
-        priced = self._price(image, spec)
-        self._wait_for_room(spec.name, priced.cost.cost_class, wait_for_room)
-        job_id = new_job_id()
-        if idempotency_key and not self._claim_idempotency(idempotency_key, job_id):
-            return Job(self, self._get(keys.idempotency(idempotency_key)) or job_id)
-        options = {"prompt": prompt, "model": model, "max_new_tokens": max_new_tokens, "priority": priority,
-                   "idempotency_key": idempotency_key, "ignore_eos": ignore_eos}
-        return self._enqueue(job_id, spec, priced, options)
+        request = JobRequest(image, prompt, model=model, max_new_tokens=max_new_tokens, priority=priority,
+                             idempotency_key=idempotency_key, ignore_eos=ignore_eos)
+        return self._submit([self._prepare(request)], wait_for_room)[0]
 
-    def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[Job]:
-        """Submit several jobs; each mapping holds ``submit``'s arguments (``image``, ``prompt``, ...).
+    def submit_many(self, requests: Iterable[JobRequest | Mapping[str, Any]], *,
+                    wait_for_room: float = 0.0) -> list[Job]:
+        """Submit several jobs at once; each is a ``JobRequest`` or a mapping of its fields.
 
-        Every request is validated before any is enqueued.
+        Every request is checked, and the queue limits are checked against everything the batch
+        adds, before any is enqueued.
+
+        Args:
+            requests: the jobs (``{"image": ..., "prompt": ..., "max_new_tokens": ...}`` or ``JobRequest``).
+            wait_for_room: when a class queue has no room for the batch's jobs, wait up to this many seconds.
+
+        Returns:
+            Handles in the order of ``requests``.
 
         Raises:
             InvalidRequest: naming the index of the first bad request; nothing was enqueued.
+            QueueFull: a class queue has no room for the batch; nothing was enqueued.
+            BackendError: Redis or the object store failed.
         """
-        items = [dict(r) for r in requests]
-        specs = []
-        for i, item in enumerate(items):
+        prepared = []
+        for i, item in enumerate(requests):
             try:
-                item.setdefault("model", "tiny-shapes")
-                spec = self._check_params(item.get("prompt", ""), item["model"], item.get("max_new_tokens", 128),
-                                          item.get("priority", DEFAULT_PRIORITY), item.get("idempotency_key"))
-                item["image"] = self._price(item["image"], spec)
-                specs.append(spec)
+                request = item if isinstance(item, JobRequest) else JobRequest.from_mapping(item)
+                prepared.append(self._prepare(request))
             except InvalidRequest as e:
                 raise InvalidRequest(f"request {i}: {e}", code=e.code) from e
-            except KeyError as e:
-                raise InvalidRequest(f"request {i}: missing {e}", code="missing_field") from e
-        if any(item.get("idempotency_key") or item.get("wait_for_room") for item in items):
-            return [self.submit(item.pop("image"), item.pop("prompt"), **item) for item in items]
-        return self._enqueue_bulk(items, specs)
-
-    def _enqueue_bulk(self, items: list[dict[str, Any]], specs: list[ModelSpec]) -> list[Job]:
-        # one storage check per distinct image, one Redis round trip for all records, one producer connection
-        for priced in {item["image"].sha256: item["image"] for item in items}.values():
-            self._store_input(priced)
-        classes = {(spec.name, item["image"].cost.cost_class) for spec, item in zip(specs, items, strict=True)}
-        for model, cost_class in classes:
-            self._wait_for_room(model, cost_class, 0.0)
-        jobs = [(new_job_id(), spec, item) for spec, item in zip(specs, items, strict=True)]
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id, spec, item in jobs:
-            pipe.hset(keys.job(job_id), mapping=self._record(job_id, spec, item["image"], item))
-        self._call(pipe.execute)
-        with self._celery.producer_or_acquire() as producer:
-            for job_id, _, item in jobs:
-                self._publish(job_id, item["image"].cost.cost_class, item, producer)
-        return [Job(self, job_id) for job_id, _, _ in jobs]
+        return self._submit(prepared, wait_for_room)
 
     def job(self, job_id: str) -> Job:
         """Handle on an existing job.
@@ -155,7 +151,7 @@ class Client:
         Raises:
             JobNotFound: if there is no such job.
         """
-        job = Job(self, job_id)
+        job = Job(self.store, job_id)
         job.info()
         return job
 
@@ -165,7 +161,7 @@ class Client:
         pipe = self.redis.pipeline(transaction=False)
         for name in lists:
             pipe.llen(name)
-        return sum(self._call(pipe.execute))
+        return sum(self.store.call(pipe.execute))
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -192,104 +188,114 @@ class Client:
             raise InvalidRequest("model must be a string", code="unknown_model")
         return resolve_model(model, s)
 
-    def _price(self, image: ImageSource, spec: ModelSpec) -> _Priced:
-        if isinstance(image, _Priced):
-            return image
-        if isinstance(image, str) and image.startswith("s3://"):
-            data = self._read_uri(image)
-        else:
-            data = load_source(image, self._limits)
+    def _prepare(self, request: JobRequest) -> _Prepared:
+        spec = self._check_params(request.prompt, request.model, request.max_new_tokens, request.priority,
+                                  request.idempotency_key)
+        image = request.image
+        data = self._read_storage_uri(image) if isinstance(image, str) and is_storage_url(image) else \
+            load_source(image, self._limits)
         info = probe(data, self._limits)
         cost = estimate(info.width, info.height, spec.policy, cost_classes(self.settings))
-        return _Priced(data, info, hashlib.sha256(data).hexdigest(), cost)
+        return _Prepared(request, spec, data, info, hashlib.sha256(data).hexdigest(), cost)
 
-    def _read_uri(self, uri: str) -> bytes:
-        bucket, key = split_uri(uri)
-        if getattr(self.storage, "bucket", None) != bucket:
-            raise InvalidRequest(f"{uri} is not in this pool's storage ({self.storage.url})", code="bad_image_source")
+    def _read_storage_uri(self, uri: str) -> bytes:
         try:
-            data: bytes = self.storage.client.get_object(Bucket=bucket, Key=key)["Body"].read()  # type: ignore[attr-defined]
-        except Exception as e:  # botocore raises many kinds; the user needs the key and the reason
+            return self.storage.read_uri(uri, self._limits.max_bytes)
+        except ObjectTooLarge as e:
+            raise InvalidRequest(f"{uri}: {e}", code="image_too_large") from e
+        except (ValueError, KeyError) as e:
             raise InvalidRequest(f"cannot read {uri}: {e}", code="bad_image_source") from e
-        if len(data) > self._limits.max_bytes:
-            raise InvalidRequest(f"{uri} has {len(data)} bytes; the limit is {self._limits.max_bytes}",
-                                 code="image_too_large")
-        return data
 
-    def _enqueue(self, job_id: str, spec: ModelSpec, priced: _Priced, options: dict[str, Any]) -> Job:
-        self._store_input(priced)
-        self._call(self.redis.hset, keys.job(job_id), mapping=self._record(job_id, spec, priced, options))
-        self._publish(job_id, priced.cost.cost_class, options)
-        log.info("job %s queued (%s, %d vision tokens)", job_id, priced.cost.cost_class, priced.cost.vision_tokens)
-        return Job(self, job_id)
+    def _submit(self, items: list[_Prepared], wait_for_room: float) -> list[Job]:
+        job_ids = [new_job_id() for _ in items]
+        claimed: list[str] = []  # idempotency keys this call set: released if nothing gets enqueued
+        try:
+            fresh = self._claim_idempotency(items, job_ids, claimed)
+            self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
+        except BaseException:
+            if claimed:
+                self.store.call(self.redis.delete, *(keys.idempotency(k) for k in claimed))
+            raise
+        for item in {items[i].sha256: items[i] for i in fresh}.values():  # one storage check per distinct image
+            self._store_input(item)
+        self.store.create(self._record(job_ids[i], items[i]) for i in fresh)
+        with self._celery.producer_or_acquire() as producer:
+            for i in fresh:
+                self._publish(job_ids[i], items[i], producer)
+        return [Job(self.store, job_id) for job_id in job_ids]
 
-    def _store_input(self, priced: _Priced) -> None:
-        input_key = keys.input_object(priced.sha256)
+    def _claim_idempotency(self, items: list[_Prepared], job_ids: list[str], claimed: list[str]) -> list[int]:
+        """Claim each request's idempotency key; returns the indices to enqueue (the others reuse a job id)."""
+        fresh = []
+        for i, item in enumerate(items):
+            key = item.request.idempotency_key
+            if key:
+                first = self._claim(key, job_ids[i], item.fingerprint)
+                if first:
+                    job_ids[i] = first
+                    continue
+                claimed.append(key)
+            fresh.append(i)
+        return fresh
+
+    def _claim(self, key: str, job_id: str, fingerprint: str) -> str | None:
+        """Bind ``key`` to this job and request; returns the first job's id if the key was bound already.
+
+        Raises:
+            InvalidRequest: ``idempotency_conflict``, the key is bound to a different request.
+        """
+        # SET NX GET: one atomic step that either binds the key or returns what it is bound to
+        stored: bytes | None = self.store.call(self.redis.set, keys.idempotency(key), f"{job_id} {fingerprint}",
+                                              nx=True, get=True, ex=self.settings.job_ttl)
+        if stored is None:
+            return None
+        first_id, _, first_fingerprint = stored.decode().partition(" ")
+        if first_fingerprint != fingerprint:
+            raise InvalidRequest(f"idempotency key {key!r} was used for a different request (job {first_id}); "
+                                 "the same key must come with the same image, prompt and parameters",
+                                 code="idempotency_conflict")
+        return first_id
+
+    def _store_input(self, item: _Prepared) -> None:
+        input_key = keys.input_object(item.sha256)
         if not self.storage.exists(input_key):
-            self.storage.put(input_key, priced.data)
+            self.storage.put(input_key, item.data)
 
-    def _record(self, job_id: str, spec: ModelSpec, priced: _Priced,
-                options: Mapping[str, Any]) -> dict[Any, Any]:
-        cost, stamp = priced.cost, repr(now())
+    def _record(self, job_id: str, item: _Prepared) -> dict[str, Any]:
+        cost, request, stamp = item.cost, item.request, repr(now())
         return {
-            "id": job_id, "status": JobStatus.QUEUED.value, "model": spec.name, "prompt": options["prompt"],
-            "max_new_tokens": options.get("max_new_tokens", 128), "priority": options.get("priority", DEFAULT_PRIORITY),
-            "input_key": keys.input_object(priced.sha256), "image_format": priced.info.format,
-            "width": priced.info.width, "height": priced.info.height, "vision_tokens": cost.vision_tokens,
-            "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class,
-            "queue": keys.queue(spec.name, cost.cost_class), "created_at": stamp, "queued_at": stamp,
-            "idempotency_key": options.get("idempotency_key") or "", "attempts": 0,
-            "ignore_eos": int(bool(options.get("ignore_eos", False))),
+            "id": job_id, "status": JobStatus.QUEUED.value, "model": item.spec.name, "prompt": request.prompt,
+            "max_new_tokens": request.max_new_tokens, "priority": request.priority,
+            "input_key": keys.input_object(item.sha256), "image_format": item.info.format,
+            "width": item.info.width, "height": item.info.height, "vision_tokens": cost.vision_tokens,
+            "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class, "queue": item.queue,
+            "created_at": stamp, "queued_at": stamp, "idempotency_key": request.idempotency_key or "",
+            "attempts": 0, "ignore_eos": int(bool(request.ignore_eos)),
         }
 
-    def _publish(self, job_id: str, cost_class: str, options: Mapping[str, Any], producer: Any = None) -> None:
-        queue = keys.queue(options.get("model", "tiny-shapes"), cost_class)
+    def _publish(self, job_id: str, item: _Prepared, producer: Any) -> None:
         try:
-            self._celery.send_task(TASK_NAME, args=[job_id], queue=queue, retry=False, producer=producer,
-                                   priority=options.get("priority", DEFAULT_PRIORITY))
+            self._celery.send_task(TASK_NAME, args=[job_id], queue=item.queue, retry=False, producer=producer,
+                                   priority=item.request.priority)
         except Exception as e:  # kombu/redis raise many connection errors; the job must not look queued
-            records.transition(self.redis, job_id, [JobStatus.QUEUED], JobStatus.FAILED,
-                               {"error_type": "backend_error", "error_message": f"publish failed: {e}"})
+            self.store.transition(job_id, [JobStatus.QUEUED], JobStatus.FAILED,
+                                 {"error_type": "backend_error", "error_message": f"publish failed: {e}"})
             raise BackendError(f"could not enqueue job {job_id}: {e}") from e
+        log.info("job %s queued (%s, %d vision tokens)", job_id, item.cost.cost_class, item.cost.vision_tokens)
 
-    def _wait_for_room(self, model: str, cost_class: str, timeout: float) -> None:
-        limit = self.settings.queue_depth_limit(cost_class)
-        if not limit:
-            return
+    def _wait_for_room(self, adding: Mapping[tuple[str, str], int], timeout: float) -> None:
+        """Wait until every (model, class) queue has room for what this call adds (``VLMQ_MAX_QUEUE_DEPTH``)."""
         deadline = time.monotonic() + timeout
-        while (depth := self.queue_depth(model, cost_class)) >= limit:
-            if time.monotonic() >= deadline:
-                raise QueueFull(f"queue {keys.queue(model, cost_class)} holds {depth} jobs, its limit is {limit} "
-                                "(VLMQ_MAX_QUEUE_DEPTH); retry later or pass wait_for_room=seconds")
-            time.sleep(0.05)
-
-    def _claim_idempotency(self, key: str, job_id: str) -> bool:
-        return bool(self._call(self.redis.set, keys.idempotency(key), job_id, nx=True, ex=_IDEM_TTL))
-
-    def _get(self, key: str) -> str | None:
-        value = self._call(self.redis.get, key)
-        return value.decode() if value else None
-
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except redis_lib.RedisError as e:
-            raise BackendError(f"Redis at {self.settings.broker_url} failed: {e}") from e
-
-    def _read_record(self, job_id: str) -> dict[str, str]:
-        return self._call(records.read, self.redis, job_id)  # type: ignore[no-any-return]
-
-    def _wait_done(self, job_id: str, timeout: float) -> None:
-        # LPOP + RPUSH back keeps the marker for other waiters; BLPOP blocks until it appears
-        popped = self._call(self.redis.blpop, [keys.done(job_id)], timeout=max(timeout, 0.01))
-        if popped:
-            self._call(self.redis.rpush, keys.done(job_id), popped[1])
-
-    def _cancel(self, job_id: str) -> bool:
-        self._call(self.redis.set, keys.canceled(job_id), "1", ex=self.settings.job_ttl)
-        changed, previous = self._call(records.transition, self.redis, job_id,
-                                       [JobStatus.QUEUED, JobStatus.STARTED], JobStatus.CANCELED,
-                                       ttl=self.settings.job_ttl)
-        if previous is None:
-            raise JobNotFound(f"no job {job_id!r}")
-        return bool(changed) or previous == JobStatus.CANCELED.value
+        for (model, cost_class), count in adding.items():
+            queue = keys.queue(model, cost_class)
+            limit = self.settings.queue_depth_limit(cost_class)
+            if not limit:
+                continue
+            if count > limit:
+                raise QueueFull(f"this submit adds {count} jobs to queue {queue}, its limit is {limit} "
+                                "(VLMQ_MAX_QUEUE_DEPTH); submit fewer at a time")
+            while (depth := self.queue_depth(model, cost_class)) + count > limit:
+                if time.monotonic() >= deadline:
+                    raise QueueFull(f"queue {queue} holds {depth} jobs, its limit is {limit} (VLMQ_MAX_QUEUE_DEPTH)"
+                                    f" and this submit adds {count}; retry later or pass wait_for_room=seconds")
+                time.sleep(0.05)

@@ -1,43 +1,24 @@
-"""Job statuses, job records in Redis, results, and the ``Job`` handle users hold."""
+"""The ``Job`` handle users hold, and the result a finished job returns.
+
+``JobStatus``, ``now`` and ``decode_record`` live in ``vlmq.store`` and are re-exported here.
+"""
 from __future__ import annotations
 
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from vlmq import keys
-from vlmq.errors import BackendError, JobFailed, JobNotFound, JobTimeout
+from vlmq.errors import JobFailed, JobTimeout
+from vlmq.store import JobStatus, JobStore, decode_record, now
 
-if TYPE_CHECKING:
-    from vlmq.client import Client
-
-
-class JobStatus(str, Enum):
-    """Lifecycle of a job as users see it (lowercase wire values)."""
-
-    QUEUED = "queued"
-    STARTED = "started"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELED = "canceled"
-
-    @property
-    def is_final(self) -> bool:
-        """Whether the job can no longer change."""
-        return self in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED)
+__all__ = ["Job", "JobResult", "JobStatus", "decode_record", "new_job_id", "now"]
 
 
 def new_job_id() -> str:
     """A random, URL-safe job id."""
     return uuid.uuid4().hex
-
-
-def now() -> float:
-    """Wall-clock timestamp stored in records (seconds since the epoch)."""
-    return time.time()
 
 
 @dataclass(slots=True)
@@ -74,17 +55,16 @@ class JobResult:
                    dict(doc["usage"]), dict(doc["timings"]), doc["worker"], doc)
 
 
-def decode_record(raw: dict[bytes, bytes] | dict[str, str]) -> dict[str, str]:
-    """Redis hash (bytes) to a str dict."""
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()}
-
-
 class Job:
-    """Handle on a submitted job; cheap to create, every call reads Redis."""
+    """Handle on a submitted job; cheap to create, every call reads the job store.
 
-    def __init__(self, client: Client, job_id: str) -> None:
-        self._client = client
+    Args:
+        store: the job store the job was submitted to (``Client.store``).
+        job_id: the job's id.
+    """
+
+    def __init__(self, store: JobStore, job_id: str) -> None:
+        self._store = store
         self.id = job_id
 
     def __repr__(self) -> str:
@@ -97,13 +77,10 @@ class Job:
             JobNotFound: if there is no such job.
             BackendError: if Redis fails.
         """
-        record = self._client._read_record(self.id)
-        if not record:
-            raise JobNotFound(f"no job {self.id!r} (never submitted, or its record expired)")
-        return record
+        return self._store.read(self.id)
 
     def status(self) -> JobStatus:
-        """Current status."""
+        """Current status (prints as its lowercase value, e.g. ``queued``)."""
         return JobStatus(self.info()["status"])
 
     def result(self, timeout: float | None = None) -> JobResult:
@@ -130,7 +107,7 @@ class Job:
             if left is not None and left <= 0:
                 raise JobTimeout(f"job {self.id} still {status.value} after {timeout} s")
             # woken at once by the worker's final transition; re-read the record every second regardless
-            self._client._wait_done(self.id, min(1.0, left) if left is not None else 1.0)
+            self._store.wait_done(self.id, min(1.0, left) if left is not None else 1.0)
 
     def _final(self, status: JobStatus, record: dict[str, str]) -> JobResult:
         if status is JobStatus.CANCELED:
@@ -138,14 +115,14 @@ class Job:
         if status is JobStatus.FAILED:
             raise JobFailed(record.get("error_type", "unknown"), record.get("error_message", ""),
                             record.get("retryable") == "1")
-        try:
-            return JobResult.from_json(self._client.storage.get(keys.result_object(self.id)))
-        except KeyError as e:
-            raise BackendError(f"job {self.id} is finished but its result object is missing") from e
+        return JobResult.from_json(self._store.result_bytes(self.id))
 
     def cancel(self) -> bool:
         """Cancel the job. Returns True if it is now canceled, False if it had already ended.
 
         A queued job is never started; a started one stops at the worker's next check.
+
+        Raises:
+            JobNotFound: no such job.
         """
-        return self._client._cancel(self.id)
+        return self._store.cancel(self.id)

@@ -1,48 +1,32 @@
-"""Settings: the only module that reads ``VLMQ_*`` environment variables."""
+"""Settings: the only module that reads ``VLMQ_*`` environment variables.
+
+Each setting is declared once, as a field of ``Settings``: its name (``VLMQ_`` + the field name in
+capitals), type, default, who reads it (producers, workers, or both) and a one-line meaning.
+``Settings.from_env``, ``Settings.to_env`` and the README's configuration table all come from
+these declarations; ``python -m vlmq.settings --markdown`` prints the table and
+``python -m vlmq.settings --update-readme README.md`` rewrites it in place.
+"""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
-ENV_VARS: dict[str, str] = {
-    "VLMQ_BROKER_URL": "Redis URL for queues and job records (default redis://127.0.0.1:6379/0)",
-    "VLMQ_STORAGE_URL": "s3://bucket/prefix or file:///dir for inputs and results (default file:///tmp/vlmq)",
-    "VLMQ_S3_ENDPOINT_URL": "endpoint of an S3-compatible server (else AWS_ENDPOINT_URL or AWS itself)",
-    "VLMQ_MODELS": "extra models: name=/path/to/hf-folder[,name2=/path2]",
-    "VLMQ_COST_CLASSES": "cost classes as bounds on vision tokens (default xs=256,s=1024,m=4096,l=16384,xl)",
-    "VLMQ_TEXT_TOKEN_BOUND": "text tokens (prompt + answer) a job may use, counted in every class cost (default 2048)",
-    "VLMQ_MAX_NEW_TOKENS": "largest max_new_tokens a job may ask for (default 1024)",
-    "VLMQ_MAX_PROMPT_CHARS": "longest prompt accepted, in characters (default 8000)",
-    "VLMQ_MAX_IMAGE_BYTES": "largest image accepted, in bytes (default 20 MiB)",
-    "VLMQ_MAX_IMAGE_PIXELS": "largest declared image size, in pixels (default 40,000,000)",
-    "VLMQ_JOB_TTL": "seconds a job record is kept after it ends (default 7 days)",
-    "VLMQ_MAX_QUEUE_DEPTH": "waiting jobs per class before submit raises QueueFull: N or xs=N,s=M (0 = no limit)",
-    "VLMQ_VISIBILITY_TIMEOUT": "seconds before a message held by a dead worker is delivered again (default 300)",
-    "VLMQ_MAX_ATTEMPTS": "deliveries that crashed or timed out before a job fails as poison (default 3)",
-    "VLMQ_SHUTDOWN_GRACE": "worker: seconds a SIGTERM waits for running jobs before handing them back (default 30)",
-    "VLMQ_STORAGE_RETRY": "worker: seconds to retry an unreachable object store, then hand the job back (default 300)",
-    "VLMQ_WORKER_BUDGET": "worker: the sum of class cost bounds it may hold at once (default 32768 tokens)",
-    "VLMQ_WORKER_BATCH": "worker: most jobs it holds at once (default 16)",
-    "VLMQ_WORKER_CLASSES": "worker: cost classes it consumes (default all that fit its budget)",
-    "VLMQ_BACKEND": "worker: engine (the vlmq engine; default) or hf (plain transformers generate)",
-    "VLMQ_DEVICE": "worker: cpu, cuda or cuda:N (default cpu)",
-}
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 BACKENDS = ("engine", "hf")  # worker backends; the first is the default
 DEFAULT_COST_CLASSES = "xs=256,s=1024,m=4096,l=16384,xl"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORAGE_URL = "file:///tmp/vlmq"
 
-
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from e
+BOTH, PRODUCER, WORKER = "both", "producer", "worker"
+READERS = {BOTH: "Read by producers and workers", PRODUCER: "Read by producers (the SDK)",
+           WORKER: "Read by workers"}
+README_BEGIN = "<!-- settings-table:begin (generated: python -m vlmq.settings --update-readme README.md) -->"
+README_END = "<!-- settings-table:end -->"
 
 
 def parse_models(raw: str) -> dict[str, str]:
@@ -56,6 +40,40 @@ def parse_models(raw: str) -> dict[str, str]:
     return models
 
 
+def _int(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("must be an integer") from None
+
+
+def _format_models(models: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in models.items())
+
+
+def _setting(default: Any, reader: str, meaning: str, *, shown: str | None = None,
+             parse: Callable[[str], Any] | None = None, to_text: Callable[[Any], str] = str,
+             fallback: str | None = None) -> Any:
+    """Declare one setting (a dataclass field whose metadata drives env parsing, ``to_env`` and the README).
+
+    Args:
+        default: the default value (a dict default is copied for each instance).
+        reader: ``producer``, ``worker`` or ``both``.
+        meaning: one line for the README.
+        shown: the default as the README shows it (else the value itself).
+        parse: text to value (else ``int`` for int defaults, the text itself otherwise).
+        to_text: value to text for ``to_env``.
+        fallback: another environment variable read when ours is unset.
+    """
+    if parse is None:
+        parse = _int if isinstance(default, int) else str
+    meta = {"reader": reader, "meaning": meaning, "shown": shown, "parse": parse, "to_text": to_text,
+            "fallback": fallback}
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclass(slots=True)
 class Settings:
     """Configuration shared by the SDK and the workers.
@@ -63,27 +81,44 @@ class Settings:
     Build it with ``Settings.from_env()`` or directly; every limit is explicit.
     """
 
-    broker_url: str = DEFAULT_BROKER_URL
-    storage_url: str = DEFAULT_STORAGE_URL
-    s3_endpoint_url: str | None = None
-    models: dict[str, str] = field(default_factory=dict)
-    cost_classes: str = DEFAULT_COST_CLASSES
-    text_token_bound: int = 2048
-    max_new_tokens: int = 1024
-    max_prompt_chars: int = 8000
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 40_000_000
-    job_ttl: int = 7 * 24 * 3600
-    max_queue_depth: str = "0"
-    visibility_timeout: int = 300
-    max_attempts: int = 3
-    shutdown_grace: int = 30
-    storage_retry: int = 300
-    worker_budget: int = 32768
-    worker_batch: int = 16
-    worker_classes: str = ""
-    backend: str = BACKENDS[0]
-    device: str = "cpu"
+    # -- read by producers and workers ---------------------------------------------------------
+    broker_url: str = _setting(DEFAULT_BROKER_URL, BOTH, "Redis URL for queues and job records")
+    storage_url: str = _setting(DEFAULT_STORAGE_URL, BOTH,
+                                "`s3://bucket/prefix` or `file:///dir` for inputs and results")
+    s3_endpoint_url: str | None = _setting(None, BOTH, "endpoint of an S3-compatible server (credentials from "
+                                           "the usual AWS variables)", shown="`AWS_ENDPOINT_URL`, else AWS",
+                                           fallback="AWS_ENDPOINT_URL")
+    models: dict[str, str] = _setting({}, BOTH, "extra models: `name=/path/to/hf-folder[,name2=/path2]`",
+                                      shown="only the bundled `tiny-shapes`", parse=parse_models,
+                                      to_text=_format_models)
+    cost_classes: str = _setting(DEFAULT_COST_CLASSES, BOTH, "cost classes as bounds on vision tokens")
+    text_token_bound: int = _setting(2048, BOTH, "text tokens (prompt + answer) counted in every class cost")
+    max_image_bytes: int = _setting(20 * 1024 * 1024, BOTH, "largest image accepted, in bytes",
+                                    shown="20 MiB")
+    max_image_pixels: int = _setting(40_000_000, BOTH, "largest declared image size, in pixels",
+                                     shown="40,000,000")
+    job_ttl: int = _setting(7 * 24 * 3600, BOTH, "seconds a job record, cancel flag and idempotency key are "
+                            "kept: from submit, and a record again from the job's end",
+                            shown="604800 (7 days)")
+    # -- read by producers (the SDK) -----------------------------------------------------------
+    max_new_tokens: int = _setting(1024, PRODUCER, "largest `max_new_tokens` a job may ask for")
+    max_prompt_chars: int = _setting(8000, PRODUCER, "longest prompt accepted, in characters")
+    max_queue_depth: str = _setting("0", PRODUCER, "waiting jobs allowed per class, `N` or `xs=N,s=M`; a submit "
+                                    "that would pass it raises `QueueFull`", shown="`0` (no limit)")
+    # -- read by workers -----------------------------------------------------------------------
+    visibility_timeout: int = _setting(300, WORKER, "seconds before a dead worker's messages are delivered "
+                                       "again (live workers renew theirs)")
+    max_attempts: int = _setting(3, WORKER, "deliveries that crashed or timed out before a job fails as `poison`")
+    shutdown_grace: int = _setting(30, WORKER, "seconds SIGTERM waits for running jobs before handing them back")
+    storage_retry: int = _setting(300, WORKER, "seconds to retry an unreachable object store before handing a "
+                                  "job back")
+    worker_budget: int = _setting(32768, WORKER, "sum of class cost bounds it may hold at once, in tokens")
+    worker_batch: int = _setting(16, WORKER, "most jobs it holds at once")
+    worker_classes: str = _setting("", WORKER, "cost classes it consumes, e.g. `xs,s`",
+                                   shown="all that fit its budget")
+    backend: str = _setting(BACKENDS[0], WORKER, "`engine` (the vlmq engine) or `hf` (plain transformers "
+                            "`generate`)")
+    device: str = _setting("cpu", WORKER, "`cpu`, `cuda` or `cuda:N`")
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
@@ -114,58 +149,81 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Read ``VLMQ_*`` variables (see ``ENV_VARS``); keyword overrides win."""
+        """Read ``VLMQ_*`` variables (an unset or empty one keeps its default); keyword overrides win.
+
+        Raises:
+            ValueError: a variable does not parse (the message names it).
+        """
         env = os.environ if env is None else env
-        values: dict[str, object] = {
-            "broker_url": env.get("VLMQ_BROKER_URL", DEFAULT_BROKER_URL),
-            "storage_url": env.get("VLMQ_STORAGE_URL", DEFAULT_STORAGE_URL),
-            "s3_endpoint_url": env.get("VLMQ_S3_ENDPOINT_URL") or env.get("AWS_ENDPOINT_URL") or None,
-            "models": parse_models(env.get("VLMQ_MODELS", "")),
-            "cost_classes": env.get("VLMQ_COST_CLASSES", DEFAULT_COST_CLASSES),
-            "text_token_bound": _int(env, "VLMQ_TEXT_TOKEN_BOUND", 2048),
-            "max_new_tokens": _int(env, "VLMQ_MAX_NEW_TOKENS", 1024),
-            "max_prompt_chars": _int(env, "VLMQ_MAX_PROMPT_CHARS", 8000),
-            "max_image_bytes": _int(env, "VLMQ_MAX_IMAGE_BYTES", 20 * 1024 * 1024),
-            "max_image_pixels": _int(env, "VLMQ_MAX_IMAGE_PIXELS", 40_000_000),
-            "job_ttl": _int(env, "VLMQ_JOB_TTL", 7 * 24 * 3600),
-            "max_queue_depth": env.get("VLMQ_MAX_QUEUE_DEPTH", "0"),
-            "visibility_timeout": _int(env, "VLMQ_VISIBILITY_TIMEOUT", 300),
-            "max_attempts": _int(env, "VLMQ_MAX_ATTEMPTS", 3),
-            "shutdown_grace": _int(env, "VLMQ_SHUTDOWN_GRACE", 30),
-            "storage_retry": _int(env, "VLMQ_STORAGE_RETRY", 300),
-            "worker_budget": _int(env, "VLMQ_WORKER_BUDGET", 32768),
-            "worker_batch": _int(env, "VLMQ_WORKER_BATCH", 16),
-            "worker_classes": env.get("VLMQ_WORKER_CLASSES", ""),
-            "backend": env.get("VLMQ_BACKEND") or BACKENDS[0],
-            "device": env.get("VLMQ_DEVICE", "cpu"),
-        }
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            var, fallback = env_name(f.name), f.metadata["fallback"]
+            raw = env.get(var) or (env.get(fallback) if fallback else None)
+            if not raw:
+                continue
+            try:
+                values[f.name] = f.metadata["parse"](raw)
+            except ValueError as e:
+                raise ValueError(f"{var}={raw!r}: {e}") from e
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
     def to_env(self) -> dict[str, str]:
         """The ``VLMQ_*`` variables that reproduce these settings in a child process."""
-        env = {
-            "VLMQ_BROKER_URL": self.broker_url,
-            "VLMQ_STORAGE_URL": self.storage_url,
-            "VLMQ_MODELS": ",".join(f"{k}={v}" for k, v in self.models.items()),
-            "VLMQ_COST_CLASSES": self.cost_classes,
-            "VLMQ_TEXT_TOKEN_BOUND": str(self.text_token_bound),
-            "VLMQ_MAX_NEW_TOKENS": str(self.max_new_tokens),
-            "VLMQ_MAX_PROMPT_CHARS": str(self.max_prompt_chars),
-            "VLMQ_MAX_IMAGE_BYTES": str(self.max_image_bytes),
-            "VLMQ_MAX_IMAGE_PIXELS": str(self.max_image_pixels),
-            "VLMQ_JOB_TTL": str(self.job_ttl),
-            "VLMQ_MAX_QUEUE_DEPTH": self.max_queue_depth,
-            "VLMQ_VISIBILITY_TIMEOUT": str(self.visibility_timeout),
-            "VLMQ_MAX_ATTEMPTS": str(self.max_attempts),
-            "VLMQ_SHUTDOWN_GRACE": str(self.shutdown_grace),
-            "VLMQ_STORAGE_RETRY": str(self.storage_retry),
-            "VLMQ_WORKER_BUDGET": str(self.worker_budget),
-            "VLMQ_WORKER_BATCH": str(self.worker_batch),
-            "VLMQ_WORKER_CLASSES": self.worker_classes,
-            "VLMQ_BACKEND": self.backend,
-            "VLMQ_DEVICE": self.device,
-        }
-        if self.s3_endpoint_url:
-            env["VLMQ_S3_ENDPOINT_URL"] = self.s3_endpoint_url
-        return env
+        return {env_name(f.name): f.metadata["to_text"](getattr(self, f.name))
+                for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of a setting."""
+    return f"VLMQ_{field_name.upper()}"
+
+
+def _shown_default(f: dataclasses.Field[Any]) -> str:
+    if f.metadata["shown"]:
+        return str(f.metadata["shown"])
+    return f"`{f.default}`"
+
+
+def markdown_table() -> str:
+    """The README's configuration tables, one per reader (producers and workers, producers, workers)."""
+    parts = []
+    for reader, title in READERS.items():
+        rows = [f"| `{env_name(f.name)}` | {_shown_default(f)} | {f.metadata['meaning']} |"
+                for f in dataclasses.fields(Settings) if f.metadata["reader"] == reader]
+        parts.append("\n".join([f"{title}:", "", "| variable | default | meaning |", "|---|---|---|", *rows]))
+    return "\n\n".join(parts) + "\n"
+
+
+ENV_VARS: dict[str, str] = {env_name(f.name): f.metadata["meaning"] for f in dataclasses.fields(Settings)}
+
+
+def readme_table(text: str) -> str:
+    """The generated part of a README (between the settings-table markers)."""
+    return text[text.index(README_BEGIN) + len(README_BEGIN):text.index(README_END)].lstrip("\n")
+
+
+def update_readme(path: Path) -> bool:
+    """Rewrite the table between the markers in ``path``; returns whether it changed."""
+    text = path.read_text()
+    start, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+    new = f"{text[:start]}\n{markdown_table()}{text[end:]}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vlmq.settings", description="The VLMQ_* settings table.")
+    parser.add_argument("--markdown", action="store_true", help="print the README's configuration tables")
+    parser.add_argument("--update-readme", type=Path, metavar="README", help="rewrite the tables in this file")
+    args = parser.parse_args(argv)
+    if args.update_readme:
+        print("updated" if update_readme(args.update_readme) else "already up to date")
+    else:
+        sys.stdout.write(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

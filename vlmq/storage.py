@@ -40,12 +40,64 @@ class Storage(ABC):
     def delete(self, key: str) -> None:
         """Remove the object if present."""
 
+    @abstractmethod
+    def key_of(self, uri: str) -> str:
+        """The key of the object a URI names in this store.
+
+        Raises:
+            ValueError: the URI names no object in this store (another bucket, prefix or folder).
+        """
+
+    @abstractmethod
+    def get_capped(self, key: str, max_bytes: int) -> bytes:
+        """Return the object's bytes, reading at most ``max_bytes + 1`` of them.
+
+        Raises:
+            KeyError: no such object.
+            ObjectTooLarge: the object holds more than ``max_bytes`` bytes.
+        """
+
+    def read_uri(self, uri: str, max_bytes: int) -> bytes:
+        """Read the object a URI names in this store (``s3://bucket/prefix/key``, ``file:///dir/key``).
+
+        Args:
+            uri: the object's URI.
+            max_bytes: most bytes accepted; a larger object is refused without reading it all.
+
+        Raises:
+            ValueError: the URI is not in this store.
+            KeyError: no such object.
+            ObjectTooLarge: the object holds more than ``max_bytes`` bytes.
+            BackendError: the store failed.
+        """
+        return self.get_capped(self.key_of(uri), max_bytes)
+
+
+class ObjectTooLarge(ValueError):
+    """A stored object is larger than the caller accepts.
+
+    Attributes:
+        size: its size in bytes, or None where the store did not say.
+    """
+
+    def __init__(self, key: str, size: int | None, max_bytes: int) -> None:
+        super().__init__(f"{key} has {'more than ' if size is None else ''}{size or max_bytes} bytes; "
+                         f"the limit is {max_bytes}")
+        self.size = size
+
 
 def _check_key(key: str) -> str:
     parts = key.split("/")
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"bad storage key {key!r}")
     return key
+
+
+def _key_in_store(uri: str, store_url: str, key: str | None) -> str:
+    try:
+        return _check_key(key or "")
+    except ValueError:
+        raise ValueError(f"{uri} is not in this pool's storage ({store_url})") from None
 
 
 class FileStorage(Storage):
@@ -93,6 +145,22 @@ class FileStorage(Storage):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def key_of(self, uri: str) -> str:
+        parsed = urlparse(uri)
+        path = Path(unquote(parsed.netloc + parsed.path))
+        inside = parsed.scheme == "file" and path.is_relative_to(self.root)
+        return _key_in_store(uri, self.url, path.relative_to(self.root).as_posix() if inside else None)
+
+    def get_capped(self, key: str, max_bytes: int) -> bytes:
+        try:
+            with self._path(key).open("rb") as f:
+                data = f.read(max_bytes + 1)
+        except (FileNotFoundError, IsADirectoryError):
+            raise KeyError(key) from None
+        if len(data) > max_bytes:
+            raise ObjectTooLarge(key, None, max_bytes)
+        return data
 
 
 class S3Storage(Storage):
@@ -142,15 +210,18 @@ class S3Storage(Storage):
         except FileExistsError:
             return False
 
-    def get(self, key: str) -> bytes:
+    def _get_object(self, key: str) -> Any:
         from botocore.exceptions import ClientError
 
         try:
-            return bytes(self._call("get_object", Key=self._key(key))["Body"].read())
+            return self._call("get_object", Key=self._key(key))
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 raise KeyError(key) from None
             raise BackendError(f"object store {self.url} failed reading {key}: {e}") from e
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._get_object(key)["Body"].read())
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -170,6 +241,23 @@ class S3Storage(Storage):
             self._call("delete_object", Key=self._key(key))
         except ClientError as e:
             raise BackendError(f"object store {self.url} failed deleting {key}: {e}") from e
+
+    def key_of(self, uri: str) -> str:
+        bucket, key = split_uri(uri)
+        head = f"{self.prefix}/" if self.prefix else ""
+        inside = urlparse(uri).scheme == "s3" and bucket == self.bucket and key.startswith(head)
+        return _key_in_store(uri, self.url, key[len(head):] if inside else None)
+
+    def get_capped(self, key: str, max_bytes: int) -> bytes:
+        response = self._get_object(key)
+        with response["Body"] as body:
+            size = response.get("ContentLength")
+            if size is not None and size > max_bytes:
+                raise ObjectTooLarge(key, size, max_bytes)
+            data = bytes(body.read(max_bytes + 1))
+        if len(data) > max_bytes:
+            raise ObjectTooLarge(key, None, max_bytes)
+        return data
 
 
 def open_storage(url: str, endpoint_url: str | None = None) -> Storage:

@@ -9,6 +9,7 @@ import pytest
 from workerproc import TINY_CLASSES, WorkerProcess
 
 from vlmq.client import Client
+from vlmq.errors import InvalidRequest
 from vlmq.jobs import JobStatus
 from vlmq.settings import Settings
 
@@ -77,8 +78,11 @@ def test_same_idempotency_key_returns_the_same_job(pool: tuple[Settings, WorkerP
     settings, _ = pool
     with Client(settings=settings) as client:
         first = client.submit(png(64, 64, 1), "How many circles?", idempotency_key="order-17")
-        second = client.submit(png(64, 64, 2), "How many circles?", idempotency_key="order-17")
+        second = client.submit(png(64, 64, 1), "How many circles?", idempotency_key="order-17")
         assert second.id == first.id
+        with pytest.raises(InvalidRequest) as err:  # the key is bound to the first request's content
+            client.submit(png(64, 64, 2), "How many circles?", idempotency_key="order-17")
+        assert err.value.code == "idempotency_conflict"
         assert client.job(first.id).result(timeout=300).job_id == first.id
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmq.storage import FileStorage, S3Storage, Storage, open_storage
+from vlmq.storage import FileStorage, ObjectTooLarge, S3Storage, Storage, open_storage
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -34,6 +34,22 @@ def test_put_if_absent_lets_exactly_one_writer_win(storage: Storage) -> None:
         wins = list(pool.map(lambda i: storage.put_if_absent("results/j.json", b"%d" % i), range(8)))
     assert wins.count(True) == 1
     assert storage.get("results/j.json") == b"%d" % wins.index(True)
+
+
+def test_read_uri_reads_objects_of_this_store_only_and_caps_their_size(storage: Storage) -> None:
+    storage.put("inputs/img", b"12345")
+    uri = f"{storage.url}/inputs/img"
+    assert storage.read_uri(uri, max_bytes=5) == b"12345"
+    with pytest.raises(ObjectTooLarge, match="the limit is 4"):
+        storage.read_uri(uri, max_bytes=4)
+    with pytest.raises(KeyError):
+        storage.read_uri(f"{storage.url}/inputs/missing", max_bytes=5)
+    scheme, rest = storage.url.split("://", 1)
+    elsewhere = [f"{scheme}://{rest}-other/inputs/img", f"{storage.url}/../x/inputs/img",
+                 "s3://another-bucket/inputs/img" if scheme == "file" else "file:///tmp/inputs/img"]
+    for outside in elsewhere:
+        with pytest.raises(ValueError, match="not in this pool's storage"):
+            storage.read_uri(outside, max_bytes=5)
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "."])

@@ -1,0 +1,205 @@
+"""The job store: job statuses, job records in Redis, their atomic transitions, and results in storage.
+
+``Client`` writes records through it and ``Job`` reads them through it; workers use the
+module-level :func:`transition` and :func:`read` on their own Redis connection.
+
+Lifetimes (nothing here is kept forever): a record is written with a TTL of ``VLMQ_JOB_TTL``
+and every transition that passes a TTL (``JobStore`` always does; workers do on final
+statuses) sets it again; others keep it. So a record expires ``VLMQ_JOB_TTL`` after submit,
+or after the job ends: a job that never ends does not outlive it. The done list lives ``DONE_TTL`` seconds; the
+cancel flag and idempotency keys live ``VLMQ_JOB_TTL``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from enum import Enum
+from typing import Any, TypeVar
+
+import redis as redis_lib
+
+from vlmq import keys
+from vlmq.errors import BackendError, JobNotFound
+from vlmq.storage import Storage
+
+T = TypeVar("T")
+DONE_TTL = 600  # seconds a done list wakes waiters; after that they find the final status by reading the record
+
+
+class JobStatus(str, Enum):
+    """Lifecycle of a job as users see it (lowercase wire values; ``str()`` gives the value)."""
+
+    QUEUED = "queued"
+    STARTED = "started"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def is_final(self) -> bool:
+        """Whether the job can no longer change."""
+        return self in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED)
+
+
+def now() -> float:
+    """Wall-clock timestamp stored in records (seconds since the epoch)."""
+    return time.time()
+
+
+def decode_record(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> dict[str, str]:
+    """Redis hash (bytes) to a str dict."""
+    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()}
+
+
+# KEYS[1]=job hash, KEYS[2]=done list, KEYS[3] (optional)=flag key set to "1" when the job exists;
+# ARGV[1]=allowed current statuses (comma separated), ARGV[2]=new status, ARGV[3]=ttl seconds (0 = keep the
+# record's TTL), ARGV[4]=1 if the new status is final, ARGV[5]=done-list TTL, ARGV[6..]=field, value pairs.
+# Returns the previous status, false if the job is missing, or "!<status>" if the transition was refused.
+_TRANSITION = """
+local cur = redis.call('HGET', KEYS[1], 'status')
+if not cur then return false end
+local ttl = tonumber(ARGV[3])
+if KEYS[3] then redis.call('SET', KEYS[3], '1', 'EX', math.max(ttl, 1)) end
+local allowed = false
+for s in string.gmatch(ARGV[1], '[^,]+') do if s == cur then allowed = true end end
+if not allowed then return '!' .. cur end
+redis.call('HSET', KEYS[1], 'status', ARGV[2])
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
+if ARGV[4] == '1' then
+  redis.call('RPUSH', KEYS[2], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[5])
+end
+return cur
+"""
+
+
+def transition(redis: Any, job_id: str, allowed: Iterable[JobStatus], new: JobStatus,
+               fields: Mapping[str, object] | None = None, ttl: int = 0,
+               flag_key: str | None = None) -> tuple[bool, str | None]:
+    """Move a job to ``new`` if its status is one of ``allowed``; stamp ``<new>_at``.
+
+    A final status also wakes waiters blocked on the job's done list.
+
+    Args:
+        redis: a Redis client.
+        job_id: the job.
+        allowed: statuses the job may be in.
+        new: the status to move to.
+        fields: more record fields to set with the status.
+        ttl: seconds the record lives from now (0 keeps its current TTL).
+        flag_key: a key set to ``1`` (with ``ttl``) if the job exists, whether or not the move is allowed.
+
+    Returns:
+        (changed, previous status or None if the job does not exist).
+    """
+    pairs: list[object] = [f"{new.value}_at", repr(now())]
+    for k, v in (fields or {}).items():
+        pairs += [k, v]
+    allowed_csv = ",".join(s.value for s in allowed)
+    job_keys = [keys.job(job_id), keys.done(job_id)] + ([flag_key] if flag_key else [])
+    reply = redis.eval(_TRANSITION, len(job_keys), *job_keys, allowed_csv, new.value, ttl, int(new.is_final),
+                       DONE_TTL, *pairs)
+    if reply is None:
+        return False, None
+    text = reply.decode() if isinstance(reply, bytes) else str(reply)
+    if text.startswith("!"):
+        return False, text[1:]
+    return True, text
+
+
+def read(redis: Any, job_id: str) -> dict[str, str]:
+    """The job record as a str dict (empty if missing)."""
+    return decode_record(redis.hgetall(keys.job(job_id)))
+
+
+class JobStore:
+    """Job records in Redis and results in object storage, for producers and ``Job`` handles.
+
+    Every Redis failure surfaces as ``BackendError``.
+
+    Args:
+        redis: a Redis client (``redis.Redis``).
+        storage: where workers write results.
+        job_ttl: seconds a record, cancel flag or idempotency key is kept (``VLMQ_JOB_TTL``).
+        where: the broker URL, named in error messages.
+    """
+
+    def __init__(self, redis: Any, storage: Storage, job_ttl: int, where: str = "Redis") -> None:
+        self.redis = redis
+        self.storage = storage
+        self.job_ttl = job_ttl
+        self._where = where
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one Redis call; a Redis failure becomes ``BackendError``."""
+        try:
+            return fn(*args, **kwargs)
+        except redis_lib.RedisError as e:
+            raise BackendError(f"Redis at {self._where} failed: {e}") from e
+
+    def create(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Write new job records (each with an ``id``), with the record TTL, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for record in records:
+            pipe.hset(keys.job(record["id"]), mapping=dict(record))
+            pipe.expire(keys.job(record["id"]), self.job_ttl)
+        self.call(pipe.execute)
+
+    def read(self, job_id: str) -> dict[str, str]:
+        """The job record as a str dict.
+
+        Raises:
+            JobNotFound: no such job (never submitted, or its record expired).
+        """
+        record = self.call(read, self.redis, job_id)
+        if not record:
+            raise JobNotFound(f"no job {job_id!r} (never submitted, or its record expired)")
+        return record
+
+    def transition(self, job_id: str, allowed: Iterable[JobStatus], new: JobStatus,
+                   fields: Mapping[str, object] | None = None) -> tuple[bool, str | None]:
+        """:func:`transition` that also refreshes the record's TTL."""
+        return self.call(transition, self.redis, job_id, allowed, new, fields, self.job_ttl)
+
+    def wait_done(self, job_id: str, timeout: float) -> None:
+        """Block until the job's done list has an entry, or ``timeout`` seconds pass.
+
+        The list is rotated onto itself (``BLMOVE`` with one key), so it keeps its entry and its TTL
+        for other waiters.
+        """
+        done = keys.done(job_id)
+        self.call(self.redis.blmove, done, done, max(timeout, 0.01), "LEFT", "RIGHT")
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a queued or started job; sets the flag workers check. Nothing is written for an unknown id.
+
+        Returns:
+            True if the job is now canceled, False if it had already ended.
+
+        Raises:
+            JobNotFound: no such job.
+        """
+        changed, previous = self.call(transition, self.redis, job_id, [JobStatus.QUEUED, JobStatus.STARTED],
+                                      JobStatus.CANCELED, None, self.job_ttl, keys.canceled(job_id))
+        if previous is None:
+            raise JobNotFound(f"no job {job_id!r}")
+        return changed or previous == JobStatus.CANCELED.value
+
+    def result_bytes(self, job_id: str) -> bytes:
+        """The stored result document of a finished job.
+
+        Raises:
+            BackendError: the result object is missing or storage failed.
+        """
+        try:
+            return self.storage.get(keys.result_object(job_id))
+        except KeyError as e:
+            raise BackendError(f"job {job_id} is finished but its result object is missing") from e
