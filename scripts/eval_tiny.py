@@ -14,7 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from train_tiny import EVAL_SEED, TARGET_DIR, TEST_SEED, evaluate_folder
+from tiny import EVAL_SEED, TARGET_DIR, TEST_SEED
+from tiny.evaluate import evaluate_folder
 
 SPLITS = {
     "eval": dict(seed=EVAL_SEED, n=200),
