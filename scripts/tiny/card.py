@@ -8,12 +8,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 
 from tiny.options import Options
 from vlmq.models import TINY_SHAPES_POLICY
 from vlmq.workers.models.processor import load_processor, render_prompt
 
 HISTORY = "## Training history"
+
+
+def machine() -> str:
+    """The CPU a run trained on, for its report and card: "Intel(R) Xeon(R) Processor, 2 CPUs"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return f"{name or platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
 
 
 def read_history(folder) -> str:
@@ -47,6 +59,7 @@ def write_model_cards(opts: Options, report: dict, argv: list[str], history: str
         params=report["target_params"], text=json.dumps(target_cfg["text_config"], sort_keys=True),
         vision=json.dumps(target_cfg["vision_config"], sort_keys=True), command=command,
         secs=report["target_seconds"], images=report["target_images"], wall=report["script_wall_seconds"],
+        machine=report.get("machine", "an unrecorded machine"),
         procs=report["procs"], steps=report["target_steps"], cpu=report["target_cpu_seconds"],
         accuracy=accuracy, agreement=agreement,
         min_side=math.isqrt(TINY_SHAPES_POLICY.min_pixels), patch=TINY_SHAPES_POLICY.patch_size,
@@ -166,8 +179,8 @@ images than the evaluation mix); batches bucketed by size. M-RoPE theta {theta:g
 with the default 10,000 the width axis gets frequencies so low that a shape's column barely changes the
 attention scores, and the model stayed blind. AdamW, warmup + cosine schedule, float32, {procs}
 data-parallel processes of one thread each (gloo all-reduce). Target: {images} images, {steps} steps,
-{secs:.0f} s wall, {cpu:.0f} CPU-seconds; whole script (target + draft + evaluation) {wall:.0f} s wall on a
-2-core VM (little else running on it).
+{secs:.0f} s wall, {cpu:.0f} CPU-seconds; whole script (target + draft + evaluation) {wall:.0f} s wall on
+{machine}.
 
 ## Accuracy
 {accuracy}

@@ -23,7 +23,7 @@ def batches(builder, rng, opts: Options, clock: dict | None = None):
     clock["progress"] (kept by run_training) drives the size curriculum (opts.small_until). Image sizes, the
     split of a pool into batches and their order come from a generator seeded alike on every rank (the scenes
     from `rng`, one per rank): the ranks' batches then cost about the same, and none waits long for the other
-    at the gradient all-reduce (with independent sizes a rank computed 76% of the wall time, now 86-89%)."""
+    at the gradient all-reduce (with independent sizes one rank often idled there)."""
     shared = np.random.default_rng((opts.seed, 999))
     while True:
         max_side = opts.max_side

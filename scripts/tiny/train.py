@@ -35,6 +35,7 @@ def main(argv=None, description: str | None = None) -> int:
     t0 = time.time()
     report = train(opts)
     report["train_wall_seconds"] = round(time.time() - t0, 1)
+    report["machine"] = card.machine()
     print(json.dumps(report), flush=True)
     if opts.eval_n:
         result = evaluate_folder(opts.out, opts.draft_out, opts.eval_n)
@@ -134,8 +135,8 @@ def _train_models(rank: int, opts: Options) -> dict:
 
 def linear_patch_embed(model) -> None:
     """The patch embedding is a Conv3d whose kernel equals its stride: one matmul per patch row. Run it as that
-    matmul on the same weight (the checkpoint is unchanged): on CPU the convolution's backward took a fifth of each
-    training step; forward and backward of the matmul cost about a third of the convolution's."""
+    matmul on the same weight (the checkpoint is unchanged): on CPU the convolution's backward is a large share of
+    a training step, and the matmul's forward and backward cost much less."""
     embed = model.model.visual.patch_embed
     weight = embed.proj.weight
 

@@ -41,6 +41,7 @@ def test_train_writes_loadable_folders_and_keeps_the_cards_history(tmp_path):
     assert report["target_images"] > 0 and report["draft_images"] > 0
     card = (target_dir / "README.md").read_text()
     assert card.startswith("# tiny-shapes") and card.endswith("## Training history\n\nrun 1: 41%\n")
+    assert f"s wall on\n{report['machine']}." in card  # the machine the figures were measured on
 
     model = AutoModelForImageTextToText.from_pretrained(target_dir).eval()
     processor = load_processor(target_dir)
