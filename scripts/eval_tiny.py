@@ -1,4 +1,4 @@
-"""Accuracy of a tiny-shapes folder on every held-out split the README quotes, in one run.
+"""Accuracy of a tiny-shapes folder on every held-out split its model card quotes, in one run.
 
     python scripts/eval_tiny.py                       # the bundled workers/assets/tiny-shapes
     python scripts/eval_tiny.py /tmp/run/t --scale 0.1
