@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tiny import shapes
 from transformers import AutoModelForImageTextToText, StoppingCriteria, StoppingCriteriaList
 
 from vlmq.workers.engine.engine import Engine, Request
 from vlmq.workers.models.processor import load_processor, render_prompt
-from vlmq.workers.tiny import shapes
 
 BUNDLED = Path(__file__).resolve().parents[1] / "workers" / "assets" / "tiny-shapes"
 PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",

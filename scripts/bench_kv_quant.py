@@ -12,12 +12,12 @@ import json
 from pathlib import Path
 
 import torch
+from tiny.shapes import make_split
 from transformers import AutoModelForImageTextToText
 
 from vlmq.kernels import dequantize_kv_blocks, quantize_kv_blocks
 from vlmq.workers.main import ASSETS
 from vlmq.workers.models.processor import load_processor, render_prompt
-from vlmq.workers.tiny.shapes import make_split
 
 BLOCK = 16
 

@@ -1,4 +1,4 @@
-"""Accuracy of a tiny-shapes folder on every held-out split the README quotes, in one run.
+"""Accuracy of a tiny-shapes folder on every held-out split its model card quotes, in one run.
 
     python scripts/eval_tiny.py                       # the bundled workers/assets/tiny-shapes
     python scripts/eval_tiny.py /tmp/run/t --scale 0.1
@@ -14,7 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from train_tiny import EVAL_SEED, TARGET_DIR, TEST_SEED, evaluate_folder
+from tiny import EVAL_SEED, TARGET_DIR, TEST_SEED
+from tiny.evaluate import evaluate_folder
 
 SPLITS = {
     "eval": dict(seed=EVAL_SEED, n=200),

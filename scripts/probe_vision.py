@@ -13,31 +13,21 @@ what the LM could read off the image tokens.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from tiny import data
+from tiny import model as tiny_model
+from tiny import tokenizer as tiny_tokenizer
+from tiny.losses import aux_heads, image_features, split_ce
+from tiny.targets import AUX_CLASSES
 from transformers import Qwen2VLForConditionalGeneration
 
 from vlmq.workers.models.processor import load_processor
-from vlmq.workers.tiny import data
-from vlmq.workers.tiny import model as tiny_model
-from vlmq.workers.tiny import tokenizer as tiny_tokenizer
-
-SCRIPT = Path(__file__).resolve().parent / "train_tiny.py"
-
-
-def _train_tiny():
-    spec = importlib.util.spec_from_file_location("train_tiny", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def shape_accuracy(logits: torch.Tensor, groups: list[data.Group], classes: tuple[int, int]) -> tuple[float, float]:
@@ -68,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    tt = _train_tiny()
     folder = Path(tempfile.mkdtemp())
     tiny_tokenizer.save_tokenizer_files(folder)
     builder = data.RowBuilder(load_processor(folder))
@@ -78,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ids = tiny_tokenizer.special_token_ids(tiny_tokenizer.build_tokenizer())
         model = Qwen2VLForConditionalGeneration(tiny_model.target_config(ids, rope_theta=20.0))
-    head = tt.aux_heads(model.config.text_config.hidden_size)["token"]
+    head = aux_heads(model.config.text_config.hidden_size)["token"]
     params = list(head.parameters()) + ([] if args.load else list(model.model.visual.parameters()))
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     rng, held_rng = np.random.default_rng(1), np.random.default_rng(99)
@@ -86,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     held = [data.make_group(builder, held_rng, 1, args.max_side, on_grid) for _ in range(60)]
 
     def logits(groups: list[data.Group]) -> torch.Tensor:
-        return head(torch.cat(tt._image_features(model, groups)[1]))
+        return head(torch.cat(image_features(model, groups)[1]))
 
     t0, step, report = time.time(), 0, {}
     while time.time() - t0 < args.minutes * 60:
         groups = [data.make_group(builder, rng, 1, args.max_side, on_grid) for _ in range(8)]
-        loss = tt._split_ce(logits(groups), torch.cat([g.token_labels for g in groups]))
+        loss = split_ce(logits(groups), torch.cat([g.token_labels for g in groups]))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -99,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         if step % 40 == 0:
             with torch.no_grad():
-                tokens, objects = shape_accuracy(logits(held), held, tt.AUX_CLASSES)
+                tokens, objects = shape_accuracy(logits(held), held, AUX_CLASSES)
             report = {"seconds": round(time.time() - t0), "step": step, "images": 8 * step,
                       "token_shape": round(tokens, 3), "object_shape": round(objects, 3)}
             print(json.dumps(report), flush=True)

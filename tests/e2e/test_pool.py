@@ -21,7 +21,7 @@ SIZES = {(96, 80): "xs", (320, 240): "xs", (600, 400): "s", (800, 640): "s", (10
 
 def png(width: int, height: int, seed: int) -> bytes:
     """A shapes scene the bundled model was trained on (held-out seed)."""
-    from vlmq.workers.tiny.shapes import make_example
+    from tiny.shapes import make_example
 
     buf = io.BytesIO()
     make_example((4242, seed), size=(width, height)).image.save(buf, "PNG")

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from tiny.shapes import make_split, questions
 
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.backends.engine import EngineBackend
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
 from vlmq.workers.models.processor import load_processor, render_prompt
-from vlmq.workers.tiny.shapes import make_split, questions
 
 TARGET = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
 TEST_SEED = 9  # held out from training (see the model's README)

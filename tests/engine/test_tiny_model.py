@@ -12,16 +12,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
+from tiny import TEST_SEED, evaluate, shapes
 
 import vlmq
 from vlmq.cost import ResolutionPolicy
 from vlmq.models import TINY_SHAPES_POLICY
-from vlmq.workers.tiny import evaluate, shapes
 
 ASSETS = Path(__file__).resolve().parents[2] / "workers" / "assets"
 TARGET, DRAFT = ASSETS / "tiny-shapes", ASSETS / "tiny-shapes-draft"
 DEMO = Path(vlmq.__file__).resolve().parent / "demo_assets"
-TEST_SEED = 9  # never used by scripts/train_tiny.py (training 1000/1001, eval 7, demo 8)
 KEYS = {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
 
 

@@ -151,9 +151,8 @@ def layout(scene: Scene, rng: np.random.Generator) -> list[tuple]:
     split along token boundaries and each shape is centred where four tokens meet (each token shows one quarter of
     it, 1.1-1.7 tokens across in the processed image) or, in small-shape scenes and cells under two tokens wide, on
     one token (0.55-0.85 of it). A tiny ViT learns shapes seen in these few views within the training budget;
-    shapes straddling tokens at arbitrary offsets it did not (scripts/probe_vision.py, the tower alone for 3
-    minutes on one core, images up to 224 px, at commit 3ab6556 with 28 px tokens: 96% of shapes right on the grid,
-    69% off it).
+    shapes straddling tokens at arbitrary offsets it did not (`python scripts/probe_vision.py`, with and without
+    `--off-grid`; the figures are in the model card's training history).
     Falls back to geometric cells when the token grid is under 3x3."""
     height, width = smart_resize(scene.height, scene.width, TINY_SHAPES_POLICY)
     rows, cols = height // TOKEN, width // TOKEN

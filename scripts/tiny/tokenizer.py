@@ -14,8 +14,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
+from tiny import shapes
 from vlmq.models import TINY_SHAPES_POLICY
-from vlmq.workers.tiny import shapes
 
 # Qwen2's pre-tokenization regex (split on contractions, letters, single digits, punctuation, spaces)
 PRETOKENIZE_REGEX = (

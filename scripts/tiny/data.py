@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tiny import shapes
 from vlmq.workers.engine.preprocess import ImagePreprocessor
-from vlmq.workers.tiny import shapes
 
 IGNORE = -100
 

@@ -1,10 +1,15 @@
-"""Greedy evaluation of the tiny target and draft agreement, through plain transformers."""
+"""Greedy evaluation of a tiny-shapes folder (exact match by question kind and image size) and of the draft's
+agreement with the target, through plain transformers."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import torch
 
-from vlmq.workers.models.processor import render_prompt
+from tiny import EVAL_SEED, data, shapes
+from vlmq.workers.models.processor import load_processor, render_prompt
 
 
 def _num_tokens(processor, image) -> int:
@@ -65,3 +70,42 @@ def draft_agreement(target, draft, processor, builder, examples, answers) -> tup
         agree += int((t_pred == d_pred).sum())
         total += ans_len
     return agree, total
+def evaluate_folder(target_dir: Path, draft_dir: Path | None, n: int, seed: int = EVAL_SEED, **split) -> dict:
+    """Greedy exact match of a folder on shapes.make_split(seed, n, **split), by size and question kind (+ the
+    draft's agreement with the target on the first 100, with `draft_dir`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    processor = load_processor(target_dir)
+    target = AutoModelForImageTextToText.from_pretrained(target_dir).eval()
+    examples = shapes.make_split(seed, n, **split)
+    t0 = time.time()
+    answers = greedy_answers(target, processor, examples)
+    result = {"n": n, "seed": seed, "exact_match": exact_match(examples, answers),
+              "eval_seconds": round(time.time() - t0, 1)}
+    result["by_size"] = _tally(examples, answers, size_band)
+    result["by_question"] = _tally(examples, answers, lambda ex: shapes.question_kind(ex.question))
+    pairs = list(zip(examples, answers, strict=True))
+    caps = [int(a == ex.answer) for ex, a in pairs if ex.question == shapes.CAPTION_PROMPT]
+    result["captions"] = [sum(caps), len(caps)]
+    result["failures"] = [(ex.question, ex.answer, a, ex.image.size) for ex, a in pairs if a != ex.answer][:10]
+    if draft_dir is not None:
+        draft = AutoModelForCausalLM.from_pretrained(draft_dir).eval()
+        builder = data.RowBuilder(processor)
+        agree, total = draft_agreement(target, draft, processor, builder, examples[:100], answers[:100])
+        result["draft_agreement"] = [agree, total, round(agree / max(1, total), 4)]
+    return result
+
+
+def size_band(ex) -> str:
+    side = max(ex.image.size)
+    return "56-224" if side <= 224 else "225-448" if side <= 448 else "449-768" if side <= 768 else "769-1024"
+
+
+def _tally(examples, answers, key) -> dict[str, list[int]]:
+    """{key(example): [exact matches, examples]}, sorted by key."""
+    counts: dict[str, list[int]] = {}
+    for ex, a in zip(examples, answers, strict=True):
+        right_total = counts.setdefault(key(ex), [0, 0])
+        right_total[0] += int(a == ex.answer)
+        right_total[1] += 1
+    return dict(sorted(counts.items()))

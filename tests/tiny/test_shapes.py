@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import numpy as np
+from tiny import shapes
 
 from vlmq.cost import smart_resize
 from vlmq.models import TINY_SHAPES_POLICY
-from vlmq.workers.tiny import shapes
 
 TOKEN = TINY_SHAPES_POLICY.factor
 

@@ -1,1 +1,0 @@
-"""Bundled tiny shapes VLM: synthetic task, tokenizer, training helpers."""
