@@ -17,6 +17,7 @@ class GenRequest:
     prompt: str
     max_new_tokens: int
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, load tests)
+    priority: int = 5  # the job's priority as the SDK takes it: 0 (highest) to 9 (vlmq.queue.DEFAULT_PRIORITY = 5)
     canceled: Callable[[], bool] | None = None  # polled during generation; True stops this request
 
 

@@ -30,8 +30,7 @@ class EngineBackend(StreamingBackend):
         self._num_steps = 0
 
     def start(self, request: GenRequest) -> str:
-        handle = self.engine.add_request(Request(request.image, request.prompt, request.max_new_tokens,
-                                                 request.ignore_eos))
+        handle = self.engine.add_request(engine_request(request))
         self._live[handle] = request
         return handle
 
@@ -58,8 +57,7 @@ class EngineBackend(StreamingBackend):
 
     def _one(self, request: GenRequest) -> GenOutput | Exception:
         try:
-            out = self.engine.generate([Request(request.image, request.prompt, request.max_new_tokens,
-                                                request.ignore_eos)])[0]
+            out = self.engine.generate([engine_request(request)])[0]
             return _gen_output(out)
         except Exception as e:  # returned in its slot; the worker fails this job alone
             log.exception("job %s failed alone on the engine", request.job_id)
@@ -69,6 +67,17 @@ class EngineBackend(StreamingBackend):
     def _reset(self) -> None:
         self.engine = self.engine.fresh()
         self._aborted.clear()
+
+
+# The SDK's priority levels (0 highest .. 9) in the scheduler's units: its priority is also "lower runs first", but
+# it ages waiting sequences by `aging_rate` per step (0.05 by default), so one level there is 20 steps of waiting,
+# less than one short answer. Scaled, one SDK level is worth 200 steps (about one 256-token answer) of waiting.
+PRIORITY_SCALE = 10
+
+
+def engine_request(request: GenRequest) -> Request:
+    return Request(request.image, request.prompt, request.max_new_tokens, request.ignore_eos,
+                   priority=request.priority * PRIORITY_SCALE)
 
 
 def _gen_output(out: RequestOutput) -> GenOutput | Exception:
