@@ -14,13 +14,11 @@ import threading
 import time
 from concurrent.futures import Future
 
+from vlmq.errors import HandBack
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, StreamingBackend
 
+__all__ = ["Batcher", "HandBack"]  # HandBack lives in vlmq.errors; app and jobrunner import it from here
 log = logging.getLogger(__name__)
-
-
-class HandBack(Exception):
-    """The job cannot be served here now (shutdown, storage outage): requeue its message, don't ack."""
 
 
 class Batcher:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vlmq.workers.engine.sequence import FinishReason
+
 log = logging.getLogger(__name__)
 
 
@@ -18,6 +20,7 @@ class GenRequest:
     max_new_tokens: int
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, load tests)
     priority: int = 5  # the job's priority as the SDK takes it: 0 (highest) to 9 (vlmq.queue.DEFAULT_PRIORITY = 5)
+    max_text_tokens: int | None = None  # text prompt tokens + max_new_tokens allowed (VLMQ_TEXT_TOKEN_BOUND)
     canceled: Callable[[], bool] | None = None  # polled during generation; True stops this request
 
 
@@ -25,7 +28,7 @@ class GenRequest:
 class GenOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" or "length"
+    finish_reason: FinishReason  # stop, length or canceled (an error is returned in the request's slot instead)
     prompt_tokens: int
     image_tokens: int
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vlmq.errors import InvalidRequest
 from vlmq.workers.backends.base import GenOutput, GenRequest, StreamingBackend, is_canceled
 from vlmq.workers.engine.config import EngineConfig
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
+from vlmq.workers.engine.errors import RequestRejected
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,12 @@ PRIORITY_SCALE = 10
 
 def engine_request(request: GenRequest) -> Request:
     return Request(request.image, request.prompt, request.max_new_tokens, request.ignore_eos,
-                   priority=request.priority * PRIORITY_SCALE)
+                   priority=request.priority * PRIORITY_SCALE, max_text_tokens=request.max_text_tokens)
 
 
 def _gen_output(out: RequestOutput) -> GenOutput | Exception:
+    if isinstance(out.error, RequestRejected):  # the worker boundary: the engine's reason becomes the SDK's code
+        return InvalidRequest(str(out.error), code=out.error.code)
     if out.error is not None:
         return out.error
     return GenOutput(out.text, out.token_ids, out.finish_reason, out.prompt_tokens, out.image_tokens)

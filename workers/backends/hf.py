@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForImageTextToText, StoppingCriteria, StoppingCriteriaList
 
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, is_canceled
+from vlmq.workers.engine.sequence import FinishReason
 from vlmq.workers.models.processor import load_processor, render_prompt
 
 log = logging.getLogger(__name__)
@@ -77,15 +78,15 @@ class HFBackend(Backend):
         prompt_len = inputs["input_ids"].shape[1]
         outputs = [self._output(inputs, out, row, prompt_len, batch[row].ignore_eos) for row in range(len(batch))]
         for output, stopped in zip(outputs, cancel.stopped, strict=True):
-            output.finish_reason = "canceled" if stopped else output.finish_reason
+            output.finish_reason = FinishReason.CANCELED if stopped else output.finish_reason
         return outputs
 
     def _output(self, inputs: dict, out: torch.Tensor, row: int, prompt_len: int, ignore_eos: bool) -> GenOutput:
         ids = out[row, prompt_len:].tolist()
-        finish = "length"
+        finish = FinishReason.LENGTH
         for n, t in enumerate(ids):
             if t in self.eos_ids and not ignore_eos:
-                ids, finish = ids[:n], "stop"
+                ids, finish = ids[:n], FinishReason.STOP
                 break
         mask = inputs["attention_mask"][row]
         prompt_tokens = int(mask.sum())
