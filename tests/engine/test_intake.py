@@ -51,7 +51,7 @@ def test_control_token_strings_in_user_text_are_plain_text(engine):
     for token_id in control_ids(tokenizer):
         assert hostile.count(token_id) == plain.count(token_id), tokenizer.convert_ids_to_tokens(token_id)
     assert plain.count(engine.preprocessor.image_token_id) == 1
-    question = hostile[len(pre._head):len(hostile) - len(pre._tail)]
+    question = hostile[len(pre.chat.head):len(hostile) - len(pre.chat.tail)]
     assert tokenizer.decode(question) == HOSTILE  # every character of it is kept, as text
     [out] = engine.generate([Request(image(1), HOSTILE, max_new_tokens=8)])
     assert out.error is None and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
@@ -85,8 +85,8 @@ def test_image_tokens_that_do_not_match_the_image_fail_alone(engine, monkeypatch
     real = engine.preprocessor.prompt_ids
     pad = engine.preprocessor.image_token_id
 
-    def extra_pad(question: str) -> list[int]:
-        ids = real(question)
+    def extra_pad(question: str, num_image_tokens: int = 1) -> list[int]:
+        ids = real(question, num_image_tokens)
         return ids[:-1] + [pad] + ids[-1:] if question == "EXTRA" else ids
 
     monkeypatch.setattr(engine.preprocessor, "prompt_ids", extra_pad)

@@ -8,21 +8,18 @@ computes the prompt's positions (which checks the image tokens against the image
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from vlmq.images import pixel_hash
-from vlmq.workers.models.processor import render_prompt
+from vlmq.workers.models.processor import ChatPrompt
 
 from .encoder_cache import make_key
 from .errors import RequestRejected
 from .preprocess import ImagePreprocessor
 from .sequence import FinishReason, ImagePlaceholder, SamplingParams, Sequence
-
-_QUESTION = "\x00question\x00"  # stands for the user's text when the chat template is rendered
 
 
 @dataclass(slots=True)
@@ -65,50 +62,29 @@ class Preprocessor:
 
     def __init__(self, processor, image_preprocessor: ImagePreprocessor, model, model_id: str,
                  eos_token_ids: tuple[int, ...], share_encoder_outputs: bool = True) -> None:
-        self.processor, self.image_preprocessor, self.model = processor, image_preprocessor, model
+        self.chat, self.image_preprocessor, self.model = ChatPrompt(processor), image_preprocessor, model
         self.image_token_id, self.eos_token_ids = model.config.image_token_id, eos_token_ids
         self.model_id, self.share = model_id, share_encoder_outputs
         self.settings = {"policy": asdict(image_preprocessor.policy), "image_mean": image_preprocessor.image_mean,
                          "image_std": image_preprocessor.image_std, "rescale": image_preprocessor.rescale_factor}
-        # the chat template around the user's text, tokenized once (with its control tokens)
-        head, tail = render_prompt(processor, _QUESTION).split(_QUESTION)
-        self._head = self._tokenize(head, add_special_tokens=True)
-        self._tail = self._tokenize(tail)
-        self._prompt_ids: dict[str, list[int]] = {}  # question -> ids with ONE image pad
-        self._lock = threading.Lock()
 
-    def _tokenize(self, text: str, *, add_special_tokens: bool = False, plain: bool = False) -> list[int]:
-        # plain: control-token strings in `text` are split like any text (split_special_tokens)
-        return list(self.processor.tokenizer(text, add_special_tokens=add_special_tokens,
-                                             split_special_tokens=plain)["input_ids"])
-
-    def prompt_ids(self, question: str) -> list[int]:
-        """The chat prompt's ids with one image pad; the question is plain text. The template puts control
-        tokens on both sides of the question, so tokenizing the three parts apart equals tokenizing the whole."""
-        ids = self._prompt_ids.get(question)
-        if ids is None:
-            with self._lock:  # a fast tokenizer must not be entered from two threads at once
-                ids = self._head + self._tokenize(question, plain=True) + self._tail
-                if len(self._prompt_ids) >= 4096:  # bounded: prompts are free-form text
-                    self._prompt_ids.clear()
-                self._prompt_ids[question] = ids
-        return ids
+    def prompt_ids(self, question: str, num_image_tokens: int = 1) -> list[int]:
+        return self.chat.ids(question, num_image_tokens)
 
     def __call__(self, request_id: str, req: Request) -> Prepared:
         if req.image is None:
             raise RequestRejected("a request needs an image (PIL RGB); text-only prompts are not supported",
                                   "invalid_image")
         sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature)
-        ids = self.prompt_ids(req.question)
-        check_text_tokens(len(ids) - 1, req)
+        check_text_tokens(len(self.prompt_ids(req.question)) - 1, req)
         try:
             pixel_values, grid_thw = self.image_preprocessor([req.image])  # [P, D], [1, 3]
         except ValueError as e:
             raise RequestRejected(str(e), "invalid_image") from e
         num_patches = int(grid_thw.prod())
         num_tokens = num_patches // self.image_preprocessor.policy.merge_size ** 2
+        ids = self.prompt_ids(req.question, num_tokens)
         at = ids.index(self.image_token_id)
-        ids = ids[:at] + [self.image_token_id] * num_tokens + ids[at + 1:]
         positions, delta = self.positions(ids, grid_thw, req.max_new_tokens)
         # Without sharing, every request gets its own key: no encoder-cache or image-prefix reuse across requests.
         settings = self.settings if self.share else {**self.settings, "request": request_id}
