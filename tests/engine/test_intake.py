@@ -103,9 +103,12 @@ def test_image_tokens_that_do_not_match_the_image_fail_alone(engine, monkeypatch
 def test_the_worker_boundary_maps_a_rejection_to_the_sdks_code(model_dir):
     backend = EngineBackend(str(model_dir), "cpu", num_blocks=256)
     try:
-        ok, too_long = backend.generate([GenRequest("ok", image(1), HOSTILE, 8, max_text_tokens=2048),
-                                         GenRequest("long", image(2), "How many? " * 50, 8, max_text_tokens=64)])
+        ok, too_long, bad_priority = backend.generate([
+            GenRequest("ok", image(1), HOSTILE, 8, max_text_tokens=2048),
+            GenRequest("long", image(2), "How many? " * 50, 8, max_text_tokens=64),
+            GenRequest("forged", image(3), "How many shapes?", 8, priority=-1)])  # a record the SDK did not write
     finally:
         backend.close()
     assert isinstance(ok, GenOutput) and ok.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     assert isinstance(too_long, InvalidRequest) and too_long.code == "prompt_too_long"
+    assert isinstance(bad_priority, InvalidRequest) and bad_priority.code == "bad_priority"

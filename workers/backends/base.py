@@ -56,11 +56,16 @@ class StreamingBackend(Backend):
         A failure of one request is returned in its slot, not raised."""
 
     def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
-        handles = [self.start(r) for r in requests]
-        results: dict[str, GenOutput | Exception] = {}
-        while len(results) < len(handles):
-            results.update(self.step())
-        return [results[h] for h in handles]
+        results: dict[int, GenOutput | Exception] = {}
+        slots: dict[str, int] = {}  # handle -> index in requests
+        for i, request in enumerate(requests):
+            try:
+                slots[self.start(request)] = i
+            except Exception as e:  # refused at the door (a bad parameter): its slot holds the error
+                results[i] = e
+        while len(results) < len(requests):
+            results.update((slots[h], out) for h, out in self.step() if h in slots)
+        return [results[i] for i in range(len(requests))]
 
 
 def is_canceled(request: GenRequest) -> bool:

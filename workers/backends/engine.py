@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from vlmq.errors import InvalidRequest
+from vlmq.queue import PRIORITY_STEPS
 from vlmq.workers.backends.base import GenOutput, GenRequest, StreamingBackend, is_canceled
 from vlmq.workers.engine.config import EngineConfig
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
@@ -78,6 +79,9 @@ PRIORITY_SCALE = 10
 
 
 def engine_request(request: GenRequest) -> Request:
+    if request.priority not in PRIORITY_STEPS:  # a record not written by the SDK
+        raise InvalidRequest(f"priority must be an integer from 0 (highest) to 9, got {request.priority!r}",
+                             code="bad_priority")
     return Request(request.image, request.prompt, request.max_new_tokens, request.ignore_eos,
                    priority=request.priority * PRIORITY_SCALE, max_text_tokens=request.max_text_tokens)
 
