@@ -54,3 +54,8 @@ class BackendError(VlmqError):
 
 class QueueFull(VlmqError):
     """The queue for this model and cost class is at its configured maximum depth."""
+
+
+class HandBack(VlmqError):
+    """Raised on a worker: the job cannot be served here now (shutdown, storage outage), so its message is
+    requeued, not acked, and its record goes back to ``queued``. Never reaches a producer."""

@@ -1,24 +1,24 @@
 """Gathers the jobs a worker holds into batches for its backend.
 
 Celery runs each job in a thread of the worker's pool; each thread hands its
-request here and waits. One model thread serves whatever is pending together:
-a streaming backend (the engine) takes each job as it arrives, between steps,
-up to ``max_batch`` at once; any other backend gets whole batches.
+request here and waits. One model thread serves whatever is pending together,
+best priority first: a streaming backend (the engine) takes each job as it
+arrives, between steps, up to ``max_batch`` at once (its scheduler then orders
+them by priority with aging); any other backend gets whole batches.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
 from concurrent.futures import Future
 
+from vlmq.errors import HandBack
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, StreamingBackend
 
+__all__ = ["Batcher", "HandBack"]  # HandBack lives in vlmq.errors; app and jobrunner import it from here
 log = logging.getLogger(__name__)
-
-
-class HandBack(Exception):
-    """The job cannot be served here now (shutdown, storage outage): requeue its message, don't ack."""
 
 
 class Batcher:
@@ -39,7 +39,8 @@ class Batcher:
         with self._cond:
             if self._stopped:
                 raise RuntimeError("batcher stopped")
-            self._pending.append((request, future))
+            # best priority first (0 is highest), arrival order within a priority
+            bisect.insort(self._pending, (request, future), key=lambda item: item[0].priority)
             self._cond.notify()
         return future
 

@@ -93,7 +93,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
         raise JobError(e.code, str(e)) from e
     t2 = time.monotonic()
     request = GenRequest(job_id, image, record["prompt"], int(record["max_new_tokens"]),
-                         ignore_eos=record.get("ignore_eos") == "1",
+                         ignore_eos=record.get("ignore_eos") == "1", priority=int(record.get("priority", 5)),
+                         max_text_tokens=ctx.settings.text_token_bound,
                          canceled=lambda: bool(ctx.redis.exists(keys.canceled(job_id))))
     try:
         output = ctx.batcher.submit(request).result()

@@ -2,7 +2,8 @@ import pytest
 
 from vlmq.workers.engine import EngineConfig, ImagePlaceholder, SamplingParams, Scheduler, Sequence
 from vlmq.workers.engine.encoder_cache import EncoderCache, make_key
-from vlmq.workers.engine.fake_runner import FakeRunner, check_step, reference_completion, run_until_done
+from vlmq.workers.engine.errors import RequestRejected
+from vlmq.workers.engine.testing import FakeRunner, check_step, reference_completion, run_until_done
 
 
 def test_make_key_is_canonical_and_exact():
@@ -101,8 +102,9 @@ def test_scheduler_encodes_a_shared_image_once_and_counts_hits():
 
 def test_scheduler_rejects_an_image_bigger_than_the_encoder_cache():
     sched = Scheduler(EngineConfig(encoder_cache_bytes=70, encoder_bytes_per_token=10))
-    with pytest.raises(ValueError, match="raise encoder_cache_bytes"):
+    with pytest.raises(RequestRejected, match="raise encoder_cache_bytes") as e:
         sched.add(image_seq(0, "cat", [4]))
+    assert e.value.code == "image_too_large"
 
 
 def test_an_image_repeated_in_one_prompt_does_not_stall_a_small_encoder_cache():

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from tiny.shapes import make_split, questions
 
+from vlmq.errors import InvalidRequest
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.backends.engine import EngineBackend
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
@@ -173,7 +174,7 @@ def test_backend_serves_genrequests(model_dir, workload, reference):
     assert a.prompt_tokens > a.image_tokens > 0 and a.finish_reason in ("stop", "length")
     assert isinstance(b, GenOutput) and b.finish_reason == "length" and len(b.token_ids) == 40
     assert isinstance(c, GenOutput) and c.finish_reason == "canceled" and len(c.token_ids) < 200
-    assert isinstance(d, ValueError) and "RGB" in str(d)
+    assert isinstance(d, InvalidRequest) and d.code == "invalid_image" and "RGB" in str(d)
     assert backend.generate([GenRequest("e", img0, q0, MAX_NEW)])[0].token_ids == a.token_ids  # engine reused
     backend.close()
 

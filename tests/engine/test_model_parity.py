@@ -1,4 +1,6 @@
-"""Our Qwen2-VL / Qwen2.5-VL model code on the paged KV cache against transformers (float32, CPU)."""
+"""Our Qwen2-VL / Qwen2.5-VL model code against transformers (float32, CPU), run the way requests are served:
+through the engine's ModelRunner (packed encoder call, encoder cache, flattened mixed steps on the paged KV cache),
+with the positions the model supplies at intake."""
 
 import random
 import shutil
@@ -16,9 +18,19 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from vlmq.workers.layers.attention import AttentionMetadata
+from vlmq.workers.engine import (
+    EncoderCache,
+    EncoderInput,
+    EngineConfig,
+    ImagePlaceholder,
+    SamplingParams,
+    ScheduledSeq,
+    SchedulerOutput,
+    Sequence,
+    slot_mapping,
+)
+from vlmq.workers.engine.model_runner import ModelRunner
 from vlmq.workers.models.loader import load_model
-from vlmq.workers.models.qwen2_vl import decode_positions, get_mrope_positions, image_embeds_for_chunk
 
 TOL = 1e-4
 IMG, START, END = 290, 292, 293  # image_pad, vision_start, vision_end ids of the tiny configs
@@ -53,69 +65,62 @@ def make_image(w: int, h: int, seed: int) -> Image.Image:
 
 
 class Seq:
-    """One request: prompt ids in the Qwen2-VL layout, its images' pixels and our per-sequence cache state."""
+    """One request: prompt ids in the Qwen2-VL layout, its images' pixels and its engine `Sequence`."""
 
     def __init__(self, sizes: list[tuple[int, int]], seed: int) -> None:
         rnd = random.Random(seed)
         feats = PROCESSOR([make_image(w, h, seed + i) for i, (w, h) in enumerate(sizes)]) if sizes else None
-        self.pixels = None if feats is None else torch.as_tensor(feats["pixel_values"])
-        self.grid = None if feats is None else torch.as_tensor(feats["image_grid_thw"])
-        self.ids = [rnd.randrange(280) for _ in range(3)]
-        for t, h, w in [] if self.grid is None else self.grid.tolist():
-            self.ids += (
-                [START] + [IMG] * (t * h * w // 4) + [END] + [rnd.randrange(280) for _ in range(rnd.randint(1, 4))]
-            )
-        self.prompt_len = len(self.ids)
+        self.pixels = torch.empty(0, 3 * 2 * 14 * 14) if feats is None else torch.as_tensor(feats["pixel_values"])
+        self.grid = torch.empty(0, 3, dtype=torch.long) if feats is None else torch.as_tensor(feats["image_grid_thw"])
+        ids, images = [rnd.randrange(280) for _ in range(3)], []
+        for k, (t, h, w) in enumerate(self.grid.tolist()):
+            n = t * h * w // 4
+            images.append(ImagePlaceholder(f"{seed}:{k}", len(ids) + 1, n, t * h * w))
+            ids += [START] + [IMG] * n + [END] + [rnd.randrange(280) for _ in range(rnd.randint(1, 4))]
+        self.seq = Sequence(seed, ids, images=tuple(images), sampling=SamplingParams(max_new_tokens=64))
+        self.ids = self.seq.token_ids  # the runner reads the sequence's tokens; decoding appends to them
+        self.prompt_len = len(ids)
         self.table: list[int] = []
         self.cached = 0
-        self.images: list[tuple[int, torch.Tensor]] = []
-
-    def positions(self, config, start: int, end: int) -> torch.Tensor:
-        prompt, delta = get_mrope_positions(self.ids[: self.prompt_len], self.grid, config)
-        tail = decode_positions(max(start, self.prompt_len), max(end - max(start, self.prompt_len), 0), delta)
-        return torch.cat([prompt[:, start : min(end, self.prompt_len)], tail], dim=1)
 
 
 class Runner:
-    """Drives our model the way the model runner does: packed encoder call, then mixed steps on the paged cache."""
+    """Drives the engine's ModelRunner with hand-made steps: every image in one packed encoder call on the first
+    step, then the given chunks (prefill pieces beside decodes) on scattered cache blocks."""
 
     def __init__(self, model, seqs: list[Seq], block_size: int = 4, num_blocks: int = 128) -> None:
-        self.model, self.seqs, self.block_size = model, seqs, block_size
-        self.kv = model.make_kv_caches(num_blocks, block_size)
+        config = EngineConfig(block_size=block_size, num_blocks=num_blocks)
+        cache = EncoderCache(1 << 30)
+        self.runner = ModelRunner(model, config, cache)
+        self.model, self.block_size = model, block_size
         self.free = random.Random(1).sample(range(num_blocks), num_blocks)  # scattered block tables
-        with_images = [s for s in seqs if s.grid is not None]
-        if with_images:
-            embeds = model.encode_images(
-                torch.cat([s.pixels for s in with_images]), torch.cat([s.grid for s in with_images])
-            )
-            for s in with_images:
-                at = [i for i, t in enumerate(s.ids) if t == IMG and s.ids[i - 1] == START]
-                s.images, embeds = list(zip(at, embeds[: len(at)], strict=True)), embeds[len(at) :]
+        self.encode = []
+        for s in seqs:
+            positions, delta = model.prompt_positions(s.ids, s.grid)
+            self.runner.add_inputs(s.seq.seq_id, s.pixels, s.grid, positions, delta)
+            for k, img in enumerate(s.seq.images):
+                cache.reserve(img.content_hash, img.num_tokens, s.seq.seq_id)  # as the scheduler does
+                self.encode.append(EncoderInput(img.content_hash, s.seq.seq_id, k, img.num_patches, img.num_tokens))
 
     def step(self, plan: list[tuple[Seq, int]]) -> list[torch.Tensor]:
-        ids, pos, embeds = [], [], []
+        """Run one step of `n` new tokens per sequence; returns each sequence's logits [n, vocab]."""
+        out = SchedulerOutput(step=0, encoder_inputs=self.encode)
+        self.encode = []
         for s, n in plan:
-            end = s.cached + n
+            start, end = s.cached, s.cached + n
             while len(s.table) * self.block_size < end:
                 s.table.append(self.free.pop())
-            ids += s.ids[s.cached : end]
-            pos.append(s.positions(self.model.config, s.cached, end))
-            if (e := image_embeds_for_chunk(s.images, s.cached, end)) is not None:
-                embeds.append(e)
-        meta = AttentionMetadata.build([n for _, n in plan], [s.cached + n for s, n in plan],
-                                       [s.table for s, _ in plan], self.block_size)  # fmt: skip
-        for s, n in plan:
-            s.cached += n
+            out.scheduled.append(ScheduledSeq(s.seq, n, start, s.ids[start:end], list(s.table),
+                                              slot_mapping(s.table, self.block_size, start, end), 0, True))
+            s.cached = end
+        hidden = self.runner.forward(out)
         with torch.no_grad():
-            hidden = self.model(
-                torch.tensor(ids), torch.cat(pos, 1), meta, self.kv, torch.cat(embeds) if embeds else None
-            )
             return list(self.model.compute_logits(hidden).split([n for _, n in plan]))
 
 
 def reference_logits(ref, s: Seq) -> torch.Tensor:
     ids = torch.tensor([s.ids])
-    kw = {} if s.grid is None else dict(pixel_values=s.pixels, image_grid_thw=s.grid)
+    kw = {} if not s.grid.numel() else dict(pixel_values=s.pixels, image_grid_thw=s.grid)
     with torch.no_grad():
         return ref(input_ids=ids, mm_token_type_ids=(ids == IMG).int(), **kw).logits[0]
 
@@ -199,7 +204,7 @@ def test_mrope_positions_match_transformers(models):
     s = Seq([(56, 112), (168, 56)], seed=6)
     ids = torch.tensor([s.ids])
     expected, delta = ref.model.get_rope_index(ids, (ids == IMG).int(), image_grid_thw=s.grid)
-    pos, ours_delta = get_mrope_positions(s.ids, s.grid, ours.config)
+    pos, ours_delta = ours.prompt_positions(s.ids, s.grid)
     assert torch.equal(pos, expected[:, 0]) and ours_delta == int(delta)
     assert ours_delta < 0  # images take fewer positions than tokens, so decode continues below the token index
 

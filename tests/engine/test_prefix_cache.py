@@ -1,6 +1,6 @@
-from vlmq.workers.engine import EngineConfig, ImagePlaceholder, SamplingParams, Scheduler, Sequence
+from vlmq.workers.engine import EngineConfig, ImagePlaceholder, SamplingParams, Scheduler, Sequence, SequenceStatus
 from vlmq.workers.engine.block_hash import ROOT_HASH, hash_block, image_extra_keys, seq_block_hashes
-from vlmq.workers.engine.fake_runner import FakeRunner, check_step, reference_completion, run_until_done
+from vlmq.workers.engine.testing import FakeRunner, check_step, reference_completion, run_until_done
 
 SYSTEM = list(range(100, 110))  # 10 tokens of system prompt
 PAD = 7  # every image token has the same id, whatever the image
@@ -87,9 +87,14 @@ def test_running_requests_share_blocks_and_cached_blocks_get_evicted_under_press
     assert len(sched.block_manager.hash_to_block) == 6  # 26 tokens with KV: the decode blocks count too
     a, b = request(1, "cat", [2], max_new_tokens=20), request(2, "cat", [3], max_new_tokens=20)
     sched.add(a)
-    sched.add(b)
+    sched.add(b)  # held back while a, the image's leader, computes it (admission.py)
+    assert sched.admission.held == [b]
     out = sched.schedule()
-    assert [s.num_cached_tokens for s in out.scheduled] == [20, 20]
+    assert [(s.seq, s.num_cached_tokens) for s in out.scheduled] == [(a, 20)]
+    while b not in sched.running:
+        sched.update(runner.execute(out))
+        out = sched.schedule()
+    assert [(s.seq, s.num_cached_tokens) for s in out.scheduled if s.seq is b] == [(b, 20)]
     assert a.block_table[:5] == b.block_table[:5]
     assert all(sched.block_manager.ref_counts[x] == 2 for x in a.block_table[:5])
     sched.update(runner.execute(out))
@@ -100,3 +105,65 @@ def test_running_requests_share_blocks_and_cached_blocks_get_evicted_under_press
         serve(sched, runner, request(i, key, [1], max_new_tokens=20))
     outs = serve(sched, runner, request(5, "cat", [1]))
     assert outs[0].scheduled[0].num_cached_tokens < 20
+
+
+# -- deferred admission (admission.py): a request whose image another request is still prefilling waits for that
+# KV instead of recomputing it; held requests can be aborted; a leader that goes away releases them.
+CHUNKED = {"max_num_batched_tokens": 16, "long_prefill_chunk_size": 8}  # the leader needs steps to pass the image
+
+
+def test_a_follower_waits_for_its_leaders_image_then_reuses_its_kv():
+    sched, runner = engine(**CHUNKED)
+    leader, follower, other = request(0, "cat", [1, 2]), request(1, "cat", [3]), request(2, "dog", [4])
+    for seq in (leader, follower, other):
+        sched.add(seq)
+    assert sched.admission.held == [follower] and sched.admission.num_deferred == 1
+    admitted = {}
+
+    def watch(out):
+        check_step(sched, out)
+        for s in out.scheduled:
+            admitted.setdefault(s.seq_id, (out.step, s.num_cached_tokens))
+        if follower in sched.waiting or follower in sched.running:  # released only once the image is computed
+            assert leader.num_computed_tokens >= len(SYSTEM) + IMG_TOKENS or leader.is_finished
+
+    done = run_until_done(sched, runner, on_step=watch)
+    assert done == {s.seq_id: reference_completion(s) for s in (leader, follower, other)}
+    assert admitted[1][0] > admitted[0][0] and admitted[1][1] >= 20  # the image's full blocks came from the cache
+    assert admitted[2][0] == 0  # a request with another image is never held
+    assert sched.admission.held == [] and sched.admission.leaders == {}
+
+
+def test_aborting_a_held_request_reports_it_and_leaves_the_leader_running():
+    sched, runner = engine(**CHUNKED)
+    leader, follower = request(0, "cat", [1]), request(1, "cat", [2])
+    sched.add(leader)
+    sched.add(follower)
+    assert sched.abort(1) is follower and follower.status is SequenceStatus.FINISHED_ABORTED
+    assert sched.abort(1) is None and sched.admission.held == []
+    out = sched.schedule()
+    assert out.finished_seq_ids == [1] and [s.seq_id for s in out.scheduled] == [0]
+    sched.update(runner.execute(out))
+    assert run_until_done(sched, runner) == {0: reference_completion(leader)}
+
+
+def test_a_leader_that_goes_away_releases_its_followers():
+    sched, runner = engine(**CHUNKED)
+    leader, a, b = request(0, "cat", [1]), request(1, "cat", [2]), request(2, "cat", [3])
+    for seq in (leader, a, b):
+        sched.add(seq)
+    sched.update(runner.execute(sched.schedule()))  # the leader computed part of the image
+    assert sched.abort(0) is leader
+    out = sched.schedule()
+    # a leads now and b follows it: only one of them computes the image again
+    assert [s.seq for s in out.scheduled] == [a] and sched.admission.held == [b]
+    sched.update(runner.execute(out))
+    assert run_until_done(sched, runner) == {1: reference_completion(a), 2: reference_completion(b)}
+    assert sched.admission.num_deferred == 2  # counted once each, however long they waited
+
+
+def test_without_the_prefix_cache_nothing_is_held():
+    sched, _ = engine(enable_prefix_caching=False)
+    sched.add(request(0, "cat", [1]))
+    sched.add(request(1, "cat", [2]))
+    assert sched.admission.held == [] and len(sched.waiting) == 2

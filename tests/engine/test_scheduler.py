@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlmq.errors import InvalidRequest
 from vlmq.workers.engine import EngineConfig, ImagePlaceholder, SamplingParams, Scheduler, Sequence, SequenceStatus
-from vlmq.workers.engine.fake_runner import FakeRunner, check_step, reference_completion, run_until_done
+from vlmq.workers.engine.errors import RequestRejected
+from vlmq.workers.engine.testing import FakeRunner, check_step, reference_completion, run_until_done
 
 
 def small_config(**overrides) -> EngineConfig:
@@ -70,11 +70,11 @@ def test_sequence_rejects_bad_image_spans(images):
 
 def test_add_rejects_requests_that_can_never_fit():
     sched, _ = make_engine(small_config(num_blocks=4))
-    with pytest.raises(InvalidRequest, match="needs 5 KV blocks") as e:
+    with pytest.raises(RequestRejected, match="needs 5 KV blocks") as e:
         sched.add(text_seq(0, 12, max_new_tokens=6))  # 17 tokens with KV > 16 slots
     assert e.value.code == "exceeds_kv_capacity"
     sched.add(text_seq(1, 12, max_new_tokens=5))  # 16 tokens: exactly the budget
-    with pytest.raises(InvalidRequest, match="encoder budget"):
+    with pytest.raises(RequestRejected, match="encoder budget"):
         make_engine(small_config())[0].add(image_seq(2, [("big", 17)]))  # 68 patches > 64
     with pytest.raises(ValueError, match="already"):
         sched.add(sched.seqs[1])
@@ -250,7 +250,7 @@ def test_random_workloads_keep_invariants_and_reference_outputs(specs, block_siz
                 try:
                     sched.add(seq)
                     seqs[i] = seq
-                except InvalidRequest:
+                except RequestRejected:
                     assert math.ceil(seq.max_num_kv_tokens / block_size) > num_blocks
         for i, spec in enumerate(specs):
             if spec[5] == step and sched.abort(i) is not None:
@@ -288,7 +288,7 @@ def test_abort_while_the_step_is_in_flight_discards_its_result():
 
 
 def test_the_engine_core_imports_no_torch_and_no_redis():
-    code = ("import sys, vlmq.workers.engine, vlmq.workers.engine.fake_runner; "
+    code = ("import sys, vlmq.workers.engine, vlmq.workers.engine.testing; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'redis', 'celery', 'numpy')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]"

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vlmq.workers.engine.sequence import FinishReason
+
 log = logging.getLogger(__name__)
 
 
@@ -17,6 +19,8 @@ class GenRequest:
     prompt: str
     max_new_tokens: int
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, load tests)
+    priority: int = 5  # the job's priority as the SDK takes it: 0 (highest) to 9 (vlmq.queue.DEFAULT_PRIORITY = 5)
+    max_text_tokens: int | None = None  # text prompt tokens + max_new_tokens allowed (VLMQ_TEXT_TOKEN_BOUND)
     canceled: Callable[[], bool] | None = None  # polled during generation; True stops this request
 
 
@@ -24,7 +28,7 @@ class GenRequest:
 class GenOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" or "length"
+    finish_reason: FinishReason  # stop, length or canceled (an error is returned in the request's slot instead)
     prompt_tokens: int
     image_tokens: int
 
@@ -52,11 +56,16 @@ class StreamingBackend(Backend):
         A failure of one request is returned in its slot, not raised."""
 
     def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
-        handles = [self.start(r) for r in requests]
-        results: dict[str, GenOutput | Exception] = {}
-        while len(results) < len(handles):
-            results.update(self.step())
-        return [results[h] for h in handles]
+        results: dict[int, GenOutput | Exception] = {}
+        slots: dict[str, int] = {}  # handle -> index in requests
+        for i, request in enumerate(requests):
+            try:
+                slots[self.start(request)] = i
+            except Exception as e:  # refused at the door (a bad parameter): its slot holds the error
+                results[i] = e
+        while len(results) < len(requests):
+            results.update((slots[h], out) for h, out in self.step() if h in slots)
+        return [results[i] for i in range(len(requests))]
 
 
 def is_canceled(request: GenRequest) -> bool:

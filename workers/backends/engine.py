@@ -6,9 +6,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vlmq.errors import InvalidRequest
+from vlmq.queue import PRIORITY_STEPS
 from vlmq.workers.backends.base import GenOutput, GenRequest, StreamingBackend, is_canceled
 from vlmq.workers.engine.config import EngineConfig
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
+from vlmq.workers.engine.errors import RequestRejected
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +33,7 @@ class EngineBackend(StreamingBackend):
         self._num_steps = 0
 
     def start(self, request: GenRequest) -> str:
-        handle = self.engine.add_request(Request(request.image, request.prompt, request.max_new_tokens,
-                                                 request.ignore_eos))
+        handle = self.engine.add_request(engine_request(request))
         self._live[handle] = request
         return handle
 
@@ -58,8 +60,7 @@ class EngineBackend(StreamingBackend):
 
     def _one(self, request: GenRequest) -> GenOutput | Exception:
         try:
-            out = self.engine.generate([Request(request.image, request.prompt, request.max_new_tokens,
-                                                request.ignore_eos)])[0]
+            out = self.engine.generate([engine_request(request)])[0]
             return _gen_output(out)
         except Exception as e:  # returned in its slot; the worker fails this job alone
             log.exception("job %s failed alone on the engine", request.job_id)
@@ -71,7 +72,23 @@ class EngineBackend(StreamingBackend):
         self._aborted.clear()
 
 
+# The SDK's priority levels (0 highest .. 9) in the scheduler's units: its priority is also "lower runs first", but
+# it ages waiting sequences by `aging_rate` per step (0.05 by default), so one level there is 20 steps of waiting,
+# less than one short answer. Scaled, one SDK level is worth 200 steps (about one 256-token answer) of waiting.
+PRIORITY_SCALE = 10
+
+
+def engine_request(request: GenRequest) -> Request:
+    if request.priority not in PRIORITY_STEPS:  # a record not written by the SDK
+        raise InvalidRequest(f"priority must be an integer from 0 (highest) to 9, got {request.priority!r}",
+                             code="bad_priority")
+    return Request(request.image, request.prompt, request.max_new_tokens, request.ignore_eos,
+                   priority=request.priority * PRIORITY_SCALE, max_text_tokens=request.max_text_tokens)
+
+
 def _gen_output(out: RequestOutput) -> GenOutput | Exception:
+    if isinstance(out.error, RequestRejected):  # the worker boundary: the engine's reason becomes the SDK's code
+        return InvalidRequest(str(out.error), code=out.error.code)
     if out.error is not None:
         return out.error
     return GenOutput(out.text, out.token_ids, out.finish_reason, out.prompt_tokens, out.image_tokens)

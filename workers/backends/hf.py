@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForImageTextToText, StoppingCriteria, StoppingCriteriaList
 
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, is_canceled
-from vlmq.workers.models.processor import load_processor, render_prompt
+from vlmq.workers.engine.sequence import FinishReason
+from vlmq.workers.models.processor import ChatPrompt, load_processor
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,9 @@ class HFBackend(Backend):
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
         self.model.to(self.device).eval()
         self.processor = load_processor(model_dir)
-        self.processor.tokenizer.padding_side = "left"
+        self.chat = ChatPrompt(self.processor)  # the user's text as plain text, as on the engine
         tokenizer = self.processor.tokenizer
-        self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.image_token_id = self.chat.image_token_id
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
@@ -66,9 +67,7 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def _generate(self, batch: list[GenRequest], max_new_tokens: int) -> list[GenOutput]:
-        texts = [render_prompt(self.processor, r.prompt) for r in batch]
-        inputs = self.processor(text=texts, images=[r.image for r in batch], return_tensors="pt", padding=True)
-        inputs = inputs.to(self.device)
+        inputs = {k: v.to(self.device) for k, v in self._inputs(batch).items()}
         cancel = CancelCriteria(batch)
         # ignore_eos as in the engine (and vLLM): an eos token is generated like any other and does not stop
         no_eos = {"eos_token_id": []} if batch[0].ignore_eos else {}
@@ -77,15 +76,27 @@ class HFBackend(Backend):
         prompt_len = inputs["input_ids"].shape[1]
         outputs = [self._output(inputs, out, row, prompt_len, batch[row].ignore_eos) for row in range(len(batch))]
         for output, stopped in zip(outputs, cancel.stopped, strict=True):
-            output.finish_reason = "canceled" if stopped else output.finish_reason
+            output.finish_reason = FinishReason.CANCELED if stopped else output.finish_reason
         return outputs
+
+    def _inputs(self, batch: list[GenRequest]) -> dict[str, torch.Tensor]:
+        # what the processor returns for these prompts, except that the user's text stays plain text
+        images = self.processor.image_processor(images=[r.image for r in batch], return_tensors="pt")
+        merge = self.processor.image_processor.merge_size
+        rows = [self.chat.ids(r.prompt, int(grid.prod()) // merge**2)
+                for r, grid in zip(batch, images["image_grid_thw"], strict=True)]
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in rows])  # [B, L] left-padded
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
+        return {"input_ids": input_ids, "attention_mask": mask, "mm_token_type_ids": (input_ids == self.image_token_id)
+                .int() * mask, **images}
 
     def _output(self, inputs: dict, out: torch.Tensor, row: int, prompt_len: int, ignore_eos: bool) -> GenOutput:
         ids = out[row, prompt_len:].tolist()
-        finish = "length"
+        finish = FinishReason.LENGTH
         for n, t in enumerate(ids):
             if t in self.eos_ids and not ignore_eos:
-                ids, finish = ids[:n], "stop"
+                ids, finish = ids[:n], FinishReason.STOP
                 break
         mask = inputs["attention_mask"][row]
         prompt_tokens = int(mask.sum())

@@ -12,17 +12,18 @@ One engine step (the model runner is the only part that touches the device)::
         for seq in scheduler.update(runner_out):    # RunnerOutput or {seq_id: token_id}
             deliver(seq.seq_id, seq.completion_token_ids, seq.status)
 
-See fake_runner.FakeRunner for an executable statement of the runner's contract.
+See testing.FakeRunner (the runner contract's test double) for an executable statement of the contract.
 """
 from .block_manager import BlockManager, slot_mapping
 from .config import EngineConfig
 from .encoder_cache import EncoderCache, make_key
+from .errors import EngineError, RequestRejected
 from .outputs import EncoderInput, RunnerOutput, ScheduledSeq, SchedulerOutput
 from .scheduler import Scheduler
-from .sequence import ImagePlaceholder, SamplingParams, SeqId, Sequence, SequenceStatus
+from .sequence import FinishReason, ImagePlaceholder, SamplingParams, SeqId, Sequence, SequenceStatus
 
 __all__ = [
-    "BlockManager", "EncoderCache", "EncoderInput", "EngineConfig", "ImagePlaceholder", "RunnerOutput",
-    "SamplingParams", "ScheduledSeq", "Scheduler", "SchedulerOutput", "SeqId", "Sequence", "SequenceStatus",
-    "make_key", "slot_mapping",
+    "BlockManager", "EncoderCache", "EncoderInput", "EngineConfig", "EngineError", "FinishReason", "ImagePlaceholder",
+    "RequestRejected", "RunnerOutput", "SamplingParams", "ScheduledSeq", "Scheduler", "SchedulerOutput", "SeqId",
+    "Sequence", "SequenceStatus", "make_key", "slot_mapping",
 ]

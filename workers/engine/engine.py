@@ -33,7 +33,7 @@ from .kv_budget import kv_cache_num_blocks
 from .model_runner import ModelRunner
 from .preprocess import ImagePreprocessor
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import FinishReason, Sequence
 
 __all__ = ["Engine", "EngineStats", "Request", "RequestOutput", "default_model_id"]
 
@@ -72,15 +72,12 @@ class Engine:
         self.runner = ModelRunner(model, config, self.scheduler.encoder_cache, device)
         self.tokenizer = processor.tokenizer
         image_pre = ImagePreprocessor.from_preprocessor_config(processor.image_processor.to_dict())
-        self.preprocessor = Preprocessor(processor, image_pre, model_id, model.config.image_token_id, eos_token_ids,
-                                         share_encoder_outputs)
+        self.preprocessor = Preprocessor(processor, image_pre, model, model_id, eos_token_ids, share_encoder_outputs)
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
         self._pool = ThreadPoolExecutor(num_preprocess_threads, thread_name_prefix="vlmq-preprocess")
         self._ready: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()
-        self._preparing: set[str] = set()
-        self._held: list[Prepared] = []  # prepared, waiting for a leader to compute their shared image
-        self._leaders: dict[str, Sequence] = {}  # image key -> the request that computes its KV first
+        self._preparing: set[str] = set()  # on the preprocessing threads; the scheduler has not seen them
         self._meta: dict[str, RequestOutput] = {}  # request_id -> output being filled
         self._done: list[RequestOutput] = []  # finished since the last step() returned
         self._num_added = 0
@@ -135,12 +132,9 @@ class Engine:
         """Stop a request; its output (finish_reason "canceled", tokens so far) comes from the next step()."""
         if request_id in self._preparing:
             self._preparing.discard(request_id)  # dropped when its preprocessing completes
-            self._finish(request_id, "canceled")
-        elif any(p.seq.seq_id == request_id for p in self._held):
-            self._held = [p for p in self._held if p.seq.seq_id != request_id]
-            self._finish(request_id, "canceled")
+            self._finish(request_id, FinishReason.CANCELED)
         elif (seq := self.scheduler.abort(request_id)) is not None:
-            self._finish(request_id, "canceled", seq)
+            self._finish(request_id, FinishReason.CANCELED, seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -191,9 +185,6 @@ class Engine:
         return [results[i] for i in ids]
 
     def _admit(self) -> None:
-        held, self._held = self._held, []
-        for prepared in held:  # followers whose leader computed the shared image (or went away) join now
-            self._add(prepared, retry=True)
         block = not self.scheduler.has_unfinished and bool(self._preparing)  # nothing to run: wait for input
         while True:
             try:
@@ -206,40 +197,16 @@ class Engine:
             self._preparing.discard(request_id)
             try:
                 self._add(future.result())
-            except Exception as e:  # bad image, ...: this request fails alone
-                self._finish(request_id, "error", error=e)
+            except Exception as e:  # bad image, prompt too long, too long for the KV budget: it fails alone
+                self._finish(request_id, FinishReason.ERROR, error=e)
 
-    def _add(self, prepared: Prepared, retry: bool = False) -> None:
+    def _add(self, prepared: Prepared) -> None:
         seq = prepared.seq
-        if self._follows(seq):
-            self._held.append(prepared)
-            self.stats.num_deferred_admissions += not retry
-            return
-        try:
-            self.scheduler.add(seq)
-        except Exception as e:  # too long for the KV budget, ...
-            self._finish(seq.seq_id, "error", error=e)
-            return
-        for img in seq.images:
-            self._leaders.setdefault(img.content_hash, seq)
-        self.runner.add_inputs(seq.seq_id, prepared.pixel_values, prepared.grid_thw)
+        self.scheduler.add(seq)
+        self.runner.add_inputs(seq.seq_id, prepared.pixel_values, prepared.grid_thw, prepared.positions,
+                               prepared.rope_delta)
         meta = self._meta[seq.seq_id]
         meta.prompt_tokens, meta.image_tokens = seq.num_prompt_tokens, sum(img.num_tokens for img in seq.images)
-
-    def _follows(self, seq: Sequence) -> bool:
-        # Prefix-aware admission: while another request is still prefilling the same image, wait for its KV
-        # blocks to be computed and registered, then take them from the prefix cache instead of recomputing.
-        if not self.config.enable_prefix_caching:
-            return False
-        for img in seq.images:
-            leader = self._leaders.get(img.content_hash)
-            if leader is None:
-                continue
-            if leader.status not in (SequenceStatus.WAITING, SequenceStatus.RUNNING):  # preempted or finished
-                del self._leaders[img.content_hash]
-            elif leader.num_computed_tokens < img.end:
-                return True
-        return False
 
     def _after_step(self, out, finished: list[Sequence], now: float) -> None:
         self.stats.num_steps += 1
@@ -249,20 +216,18 @@ class Engine:
             if s.sample and meta is not None and meta.first_token_time is None:
                 meta.first_token_time = now
         for seq in finished:
-            self._finish(seq.seq_id, "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length", seq)
+            self._finish(seq.seq_id, seq.status.finish_reason, seq)
         st, cache, bm = self.stats, self.scheduler.encoder_cache, self.scheduler.block_manager
+        st.num_deferred_admissions = self.scheduler.admission.num_deferred
         st.num_encoder_calls, st.num_encoded_images = self.runner.num_encoder_calls, self.runner.num_encoded_images
         st.encoder_cache_hits, st.encoder_cache_misses = cache.hits, cache.misses
         st.prefix_cache_hit_tokens, st.prefix_cache_query_tokens = bm.num_prefix_hits, bm.num_prefix_queries
 
-    def _finish(self, request_id: str, reason: str, seq: Sequence | None = None,
+    def _finish(self, request_id: str, reason: FinishReason, seq: Sequence | None = None,
                 error: Exception | None = None) -> None:
         out = self._meta.pop(request_id)
-        for img in seq.images if seq is not None else ():
-            if self._leaders.get(img.content_hash) is seq:
-                del self._leaders[img.content_hash]
         ids = seq.completion_token_ids if seq is not None else []
-        if reason == "stop" and ids and ids[-1] in self.eos_token_ids:
+        if reason is FinishReason.STOP and ids and ids[-1] in self.eos_token_ids:
             ids = ids[:-1]
         out.token_ids, out.finish_reason, out.error = ids, reason, error
         out.text = self.tokenizer.decode(ids, skip_special_tokens=True)

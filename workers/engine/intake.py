@@ -1,20 +1,25 @@
 """Request intake: what callers hand the engine and get back, and the preprocessing that turns a request into a
-scheduler `Sequence` plus its image patches (on the engine's preprocessing threads, off the step loop).
+scheduler `Sequence` plus its image patches and positions (on the engine's preprocessing threads, off the step loop).
+
+Everything that can be wrong with one request is found here, so it fails alone (`RequestRejected`), never a step:
+the user's text is tokenized as plain text (a `<|image_pad|>` or `<|im_start|>` typed by a user is text, not a
+control token), the prompt must fit the request's text-token bound and the model's positions, and the model
+computes the prompt's positions (which checks the image tokens against the image grid).
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from vlmq.images import pixel_hash
-from vlmq.workers.models.processor import render_prompt
+from vlmq.workers.models.processor import ChatPrompt
 
 from .encoder_cache import make_key
+from .errors import RequestRejected
 from .preprocess import ImagePreprocessor
-from .sequence import ImagePlaceholder, SamplingParams, Sequence
+from .sequence import FinishReason, ImagePlaceholder, SamplingParams, Sequence
 
 
 @dataclass(slots=True)
@@ -25,6 +30,7 @@ class Request:
     ignore_eos: bool = False  # generate exactly max_new_tokens
     priority: int = 0  # 0 runs first
     temperature: float = 0.0  # 0 = greedy
+    max_text_tokens: int | None = None  # bound on text prompt tokens (all but image tokens) + max_new_tokens
 
 
 @dataclass(slots=True)
@@ -32,7 +38,7 @@ class RequestOutput:
     request_id: str
     token_ids: list[int]  # completion; without the eos token when finish_reason == "stop"
     text: str
-    finish_reason: str  # "stop", "length", "canceled" or "error"
+    finish_reason: FinishReason
     prompt_tokens: int = 0
     image_tokens: int = 0
     error: Exception | None = None
@@ -46,45 +52,67 @@ class Prepared:
     seq: Sequence
     pixel_values: torch.Tensor  # [P, C*Tp*p*p]
     grid_thw: torch.Tensor  # [N, 3]
+    positions: torch.Tensor  # [R, num_prompt_tokens] the model's rotary positions of the prompt (R = 3: M-RoPE)
+    rope_delta: int  # generated token i (i >= prompt length) sits at position i + rope_delta
 
 
 class Preprocessor:
-    """Request -> Sequence + pixels, on the preprocessing threads. Raises on a bad request (it fails alone)."""
+    """Request -> Sequence + pixels + positions, on the preprocessing threads. Raises RequestRejected on a bad
+    request (it fails alone)."""
 
-    def __init__(self, processor, image_preprocessor: ImagePreprocessor, model_id: str, image_token_id: int,
+    def __init__(self, processor, image_preprocessor: ImagePreprocessor, model, model_id: str,
                  eos_token_ids: tuple[int, ...], share_encoder_outputs: bool = True) -> None:
-        self.processor, self.image_preprocessor = processor, image_preprocessor
-        self.image_token_id, self.eos_token_ids = image_token_id, eos_token_ids
+        self.chat, self.image_preprocessor, self.model = ChatPrompt(processor), image_preprocessor, model
+        self.image_token_id, self.eos_token_ids = model.config.image_token_id, eos_token_ids
         self.model_id, self.share = model_id, share_encoder_outputs
         self.settings = {"policy": asdict(image_preprocessor.policy), "image_mean": image_preprocessor.image_mean,
                          "image_std": image_preprocessor.image_std, "rescale": image_preprocessor.rescale_factor}
-        self._prompt_ids: dict[str, list[int]] = {}  # question -> ids with ONE image pad
-        self._lock = threading.Lock()
 
-    def prompt_ids(self, question: str) -> list[int]:
-        ids = self._prompt_ids.get(question)
-        if ids is None:
-            text = render_prompt(self.processor, question)
-            with self._lock:  # a fast tokenizer must not be entered from two threads at once
-                ids = list(self.processor.tokenizer(text)["input_ids"])
-                if len(self._prompt_ids) >= 4096:  # bounded: prompts are free-form text
-                    self._prompt_ids.clear()
-                self._prompt_ids[question] = ids
-        return ids
+    def prompt_ids(self, question: str, num_image_tokens: int = 1) -> list[int]:
+        return self.chat.ids(question, num_image_tokens)
 
     def __call__(self, request_id: str, req: Request) -> Prepared:
         if req.image is None:
-            raise ValueError("a request needs an image (PIL RGB); text-only prompts are not supported")
+            raise RequestRejected("a request needs an image (PIL RGB); text-only prompts are not supported",
+                                  "invalid_image")
         sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature)
-        ids = self.prompt_ids(req.question)
-        pixel_values, grid_thw = self.image_preprocessor([req.image])  # [P, D], [1, 3]
+        check_text_tokens(len(self.prompt_ids(req.question)) - 1, req)
+        try:
+            pixel_values, grid_thw = self.image_preprocessor([req.image])  # [P, D], [1, 3]
+        except ValueError as e:
+            raise RequestRejected(str(e), "invalid_image") from e
         num_patches = int(grid_thw.prod())
         num_tokens = num_patches // self.image_preprocessor.policy.merge_size ** 2
+        ids = self.prompt_ids(req.question, num_tokens)
         at = ids.index(self.image_token_id)
-        ids = ids[:at] + [self.image_token_id] * num_tokens + ids[at + 1:]
+        positions, delta = self.positions(ids, grid_thw, req.max_new_tokens)
         # Without sharing, every request gets its own key: no encoder-cache or image-prefix reuse across requests.
         settings = self.settings if self.share else {**self.settings, "request": request_id}
         key = make_key(pixel_hash(req.image), self.model_id, settings)
         image = ImagePlaceholder(key, at, num_tokens, num_patches)
-        return Prepared(Sequence(request_id, ids, images=(image,), sampling=sampling, priority=req.priority),
-                         pixel_values, grid_thw)
+        seq = Sequence(request_id, ids, images=(image,), sampling=sampling, priority=req.priority)
+        return Prepared(seq, pixel_values, grid_thw, positions, delta)
+
+    def positions(self, ids: list[int], grid_thw: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, int]:
+        try:
+            positions, delta = self.model.prompt_positions(ids, grid_thw)
+        except ValueError as e:  # image tokens that do not match the image grid
+            raise RequestRejected(str(e), "invalid_prompt") from e
+        # the last token fed back is generated token max_new_tokens - 1, at position len(ids) + that + delta
+        needed = len(ids) + delta + max_new_tokens - 1
+        if needed > self.model.max_positions:
+            raise RequestRejected(
+                f"the prompt and answer need {needed} positions ({len(ids)} prompt tokens, max_new_tokens "
+                f"{max_new_tokens}); the model has {self.model.max_positions}; shorten the prompt or lower "
+                "max_new_tokens", "prompt_too_long")
+        return positions, delta
+
+
+def check_text_tokens(num_text_tokens: int, req: Request) -> None:
+    """The text allowance the cost gate counted for the job (VLMQ_TEXT_TOKEN_BOUND) holds prompt and answer."""
+    bound = req.max_text_tokens
+    if bound is not None and num_text_tokens + req.max_new_tokens > bound:
+        raise RequestRejected(
+            f"the prompt has {num_text_tokens} text tokens and max_new_tokens is {req.max_new_tokens}: "
+            f"{num_text_tokens + req.max_new_tokens} text tokens, over the bound of {bound} (VLMQ_TEXT_TOKEN_BOUND); "
+            "shorten the prompt or lower max_new_tokens", "prompt_too_long")

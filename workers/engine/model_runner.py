@@ -1,25 +1,26 @@
 """The only part of the engine that touches the device: paged KV caches, encoder, one LM forward, sampling.
 
-Per step (see fake_runner.FakeRunner for the contract):
+Per step (see testing.FakeRunner for the contract):
 1. every `EncoderInput` of the step is encoded in ONE packed varlen vision call; each image's output
    [num_tokens, hidden] goes into the encoder cache under its key;
-2. the scheduled chunks are flattened into one token batch with M-RoPE positions, slot mapping, block
-   tables and context lengths, and run through the LM in one forward;
+2. the scheduled chunks are flattened into one token batch with the model's positions (computed once per request
+   by `model.prompt_positions` at intake), slot mapping, block tables and context lengths, and run through the LM
+   in one forward;
 3. the last row of every chunk with `sample=True` goes through the LM head and is sampled.
 
 Image rows are filled from the encoder cache by the sequences' `ImagePlaceholder` spans, not by matching
 the image-pad token id: a generated token that happens to be `<|image_pad|>` is text (as in transformers,
-which only scatters image features at prefill). So `Qwen2VLModel.embed` is bypassed on purpose.
+which only scatters image features at prefill).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from vlmq.workers.layers.attention import AttentionMetadata
-from vlmq.workers.models.qwen2_vl import decode_positions, get_mrope_positions
 
 from .config import EngineConfig
 from .encoder_cache import EncoderCache
@@ -32,18 +33,16 @@ class SeqInputs:
     pixel_values: torch.Tensor  # [P, C*Tp*p*p] float32 patches of the sequence's images, back to back
     grid_thw: torch.Tensor  # [N, 3] int64, one row per image, in placeholder order
     patch_offsets: list[int]  # [N + 1] row offsets of each image in pixel_values
-    positions: torch.Tensor | None = None  # [3, num_prompt_tokens] M-RoPE positions, computed on first sight
-    rope_delta: int = 0  # decode token i (i >= prompt length) sits at position i + rope_delta
+    positions: torch.Tensor  # [R, num_prompt_tokens] the model's positions of the prompt (R = 3 for M-RoPE)
+    rope_delta: int  # generated token i (i >= prompt length) sits at position i + rope_delta
 
 
 @dataclass(slots=True)
 class _Batch:
     input_ids: list[int]  # [T] flattened tokens
-    positions: list[torch.Tensor]  # per sequence [3, n]
+    positions: list[torch.Tensor]  # per sequence [R, n]
     image_rows: list[int]  # rows of the flattened batch that take image embeddings
     image_embeds: list[torch.Tensor]  # per image slice [k, hidden], in image_rows order
-    sample_rows: list[int]  # last row of each sampled chunk
-    sample_seqs: list[Sequence]
 
 
 class ModelRunner:
@@ -61,13 +60,12 @@ class ModelRunner:
         self.timings = {"encode": 0.0, "prepare": 0.0, "forward": 0.0}  # seconds, for benchmarks
 
     # -- per-sequence inputs ------------------------------------------------------------------
-    def add_inputs(self, seq_id: SeqId, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> None:
-        """Register a sequence's images (kept until it finishes: a preempted one may need them again)."""
-        sizes = grid_thw.prod(-1).tolist()
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
-        self.inputs[seq_id] = SeqInputs(pixel_values, grid_thw, offsets)
+    def add_inputs(self, seq_id: SeqId, pixel_values: torch.Tensor, grid_thw: torch.Tensor, positions: torch.Tensor,
+                   rope_delta: int) -> None:
+        """Register a sequence's images and prompt positions (kept until it finishes: a preempted one may need
+        them again)."""
+        offsets = list(accumulate(grid_thw.prod(-1).tolist(), initial=0))
+        self.inputs[seq_id] = SeqInputs(pixel_values, grid_thw, offsets, positions, rope_delta)
 
     def drop(self, seq_ids: list[SeqId]) -> None:
         for seq_id in seq_ids:
@@ -76,13 +74,26 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        hidden = self.forward(out)  # [T, hidden]
+        ends = list(accumulate(s.num_new_tokens for s in out.scheduled))
+        rows = [end - 1 for s, end in zip(out.scheduled, ends, strict=True) if s.sample]
+        if not rows:
+            return RunnerOutput()
+        seqs = [s.seq for s in out.scheduled if s.sample]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()  # [S, vocab]
+        return RunnerOutput({seq.seq_id: t for seq, t in zip(seqs, self._sample(logits, seqs), strict=True)})
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """Encode the step's images, then one LM forward over its chunks; hidden states [T, hidden] of every
+        scheduled token, in batch order (T = out.num_scheduled_tokens)."""
         self.drop(out.finished_seq_ids)
         t0 = time.perf_counter()
         if out.encoder_inputs:
             self._encode(out)
-        if not out.scheduled:
-            return RunnerOutput()
         t1 = time.perf_counter()
+        if not out.scheduled:
+            return torch.empty(0, self.model.config.text_config.hidden_size, device=self.device)
         batch = self._build(out.scheduled)
         meta = self._metadata(out.scheduled)
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
@@ -90,22 +101,13 @@ class ModelRunner:
         if batch.image_rows:
             rows = torch.tensor(batch.image_rows, dtype=torch.long, device=self.device)
             x = x.index_copy(0, rows, torch.cat(batch.image_embeds).to(x.dtype))
-        positions = torch.cat(batch.positions, dim=1).to(self.device)  # [3, T]
+        positions = torch.cat(batch.positions, dim=1).to(self.device)  # [R, T]
         t2 = time.perf_counter()
         hidden = self.model.language_model(x, positions, meta, self.kv_caches)  # [T, hidden]
-        tokens = self._sample_rows(hidden, batch)
         t3 = time.perf_counter()
         for name, a, b in (("encode", t0, t1), ("prepare", t1, t2), ("forward", t2, t3)):
             self.timings[name] += b - a
-        return RunnerOutput({seq.seq_id: t for seq, t in zip(batch.sample_seqs, tokens, strict=True)})
-
-    def _sample_rows(self, hidden: torch.Tensor, batch: _Batch) -> list[int]:
-        # hidden: [T, hidden]; only the last row of each sampled chunk goes through the LM head
-        if not batch.sample_rows:
-            return []
-        last = hidden[torch.tensor(batch.sample_rows, device=self.device)]  # [S, hidden]
-        logits = self.model.compute_logits(last).float()  # [S, vocab]
-        return self._sample(logits, batch.sample_seqs)
+        return hidden
 
     def _encode(self, out: SchedulerOutput) -> None:
         # One packed call for every image of the step, whichever sequences they came from.
@@ -125,7 +127,7 @@ class ModelRunner:
         self.num_encoder_calls += 1
 
     def _build(self, scheduled: list[ScheduledSeq]) -> _Batch:
-        batch = _Batch([], [], [], [], [], [])
+        batch = _Batch([], [], [], [])
         for s in scheduled:
             row0, end = len(batch.input_ids), s.start + s.num_new_tokens
             batch.input_ids += s.token_ids
@@ -136,42 +138,22 @@ class ModelRunner:
                     emb = self.encoder_cache.get(img.content_hash)  # [num_tokens, hidden]
                     batch.image_embeds.append(emb[lo - img.offset:hi - img.offset])
                     batch.image_rows += range(row0 + lo - s.start, row0 + hi - s.start)
-            if s.sample:
-                batch.sample_rows.append(row0 + s.num_new_tokens - 1)
-                batch.sample_seqs.append(s.seq)
         return batch
 
     def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        # -> [3, end - start]: prompt tokens from the cached M-RoPE array, generated ones at i + delta
-        inp = self.inputs.get(seq.seq_id)
-        if inp is None:  # text-only request
-            inp = self.inputs[seq.seq_id] = SeqInputs(torch.empty(0), torch.empty(0, 3, dtype=torch.long), [0])
-        if inp.positions is None:
-            grid = inp.grid_thw if inp.grid_thw.numel() else None
-            inp.positions, inp.rope_delta = get_mrope_positions(seq.token_ids[:seq.num_prompt_tokens], grid,
-                                                                self.model.config)
-        num_prompt = seq.num_prompt_tokens
+        # -> [R, end - start]: prompt tokens from the positions computed at intake, generated ones from the model
+        inp, num_prompt = self.inputs[seq.seq_id], seq.num_prompt_tokens
         if end <= num_prompt:
             return inp.positions[:, start:end]
         tail_start = max(start, num_prompt)
-        tail = decode_positions(tail_start, end - tail_start, inp.rope_delta)
+        tail = self.model.decode_positions(tail_start, end - tail_start, inp.rope_delta)
         return torch.cat([inp.positions[:, start:num_prompt], tail], dim=1) if start < num_prompt else tail
 
     def _metadata(self, scheduled: list[ScheduledSeq]) -> AttentionMetadata:
-        query_lens = [s.num_new_tokens for s in scheduled]
-        context_lens = [s.start + s.num_new_tokens for s in scheduled]
-        width = max(len(s.block_table) for s in scheduled)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in scheduled]
-        slots = [slot for s in scheduled for slot in s.slot_mapping]
-
-        def cu(xs: list[int]) -> torch.Tensor:  # [S + 1] int32 prefix sums
-            return torch.tensor([0, *xs], dtype=torch.int32, device=self.device).cumsum(0, dtype=torch.int32)
-
-        return AttentionMetadata(
-            query_lens=query_lens, context_lens=context_lens,
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            cu_query_lens=cu(query_lens), cu_context_lens=cu(context_lens), block_size=self.config.block_size)
+        return AttentionMetadata.build(
+            [s.num_new_tokens for s in scheduled], [s.start + s.num_new_tokens for s in scheduled],
+            [s.block_table for s in scheduled], self.config.block_size, self.device,
+            slot_mapping=[slot for s in scheduled for slot in s.slot_mapping])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         # logits: [S, vocab] float32 -> one token per row; greedy rows take the argmax

@@ -4,6 +4,8 @@ Each step: schedule() picks work, the runner runs it, update() commits it. Reque
 join (add) and leave (finish, abort) between steps.
 
 Policy, in order:
+0. A new sequence whose image another sequence is still prefilling is held back until that KV is computed,
+   then joins the waiting queue and takes it from the prefix cache (admission.py).
 1. Running sequences' decode tokens, then their next prefill chunks, each group in rank
    order. A prefill chunk is at most long_prefill_chunk_size tokens and may end inside
    an image's span (KV is per token), but an image's encoder work is never split: a
@@ -29,12 +31,12 @@ import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vlmq.errors import InvalidRequest
-
+from .admission import SharedImageAdmission
 from .block_manager import BlockManager, num_blocks_for, slot_mapping
 from .chunking import ChunkPlan, plan_chunk
 from .config import EngineConfig
 from .encoder_cache import EncoderCache
+from .errors import RequestRejected
 from .outputs import EncoderInput, RunnerOutput, ScheduledSeq, SchedulerOutput
 from .sequence import SeqId, Sequence, SequenceStatus
 
@@ -52,7 +54,8 @@ class Scheduler:
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache(config.encoder_cache_bytes)
         self.waiting: list[Sequence] = []  # sorted by rank
         self.running: list[Sequence] = []  # sorted by rank
-        self.seqs: dict[SeqId, Sequence] = {}  # every unfinished sequence
+        self.seqs: dict[SeqId, Sequence] = {}  # every unfinished sequence (held, waiting or running)
+        self.admission = SharedImageAdmission(config.enable_prefix_caching)
         self.num_steps = 0
         self._rank: dict[SeqId, tuple[float, int]] = {}
         self._num_added = 0
@@ -61,6 +64,7 @@ class Scheduler:
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (or hold it back, see admission.py); raises RequestRejected if it can never run."""
         if seq.seq_id in self.seqs or seq.status is not SequenceStatus.WAITING:
             raise ValueError(f"sequence {seq.seq_id!r} is already in the scheduler or not new")
         self._check_fits(seq)
@@ -68,27 +72,29 @@ class Scheduler:
         self._rank[seq.seq_id] = (seq.priority + self.config.aging_rate * seq.arrival_step, self._num_added)
         self._num_added += 1
         self.seqs[seq.seq_id] = seq
-        bisect.insort(self.waiting, seq, key=self.rank)
+        if self.admission.admit(seq):
+            bisect.insort(self.waiting, seq, key=self.rank)
 
     def _check_fits(self, seq: Sequence) -> None:
         cfg = self.config
         need = num_blocks_for(seq.max_num_kv_tokens, cfg.block_size)
         if need > cfg.num_blocks:
-            raise InvalidRequest(
+            raise RequestRejected(
                 f"request {seq.seq_id!r} needs {need} KV blocks ({seq.max_num_kv_tokens} tokens) but the engine has "
-                f"{cfg.num_blocks}; shorten the prompt or lower max_new_tokens", code="exceeds_kv_capacity")
+                f"{cfg.num_blocks}; shorten the prompt or lower max_new_tokens", "exceeds_kv_capacity")
         for img in seq.images:
             if img.num_patches > cfg.max_num_encoder_patches:
-                raise InvalidRequest(
+                raise RequestRejected(
                     f"request {seq.seq_id!r} has an image of {img.num_patches} patches, over the per-step encoder "
-                    f"budget of {cfg.max_num_encoder_patches}; resize it (lower max_pixels)", code="image_too_large")
+                    f"budget of {cfg.max_num_encoder_patches}; resize it (lower max_pixels)", "image_too_large")
             if img.num_tokens * cfg.encoder_bytes_per_token > self.encoder_cache.capacity_bytes:
-                raise InvalidRequest(
+                raise RequestRejected(
                     f"request {seq.seq_id!r} has an image whose encoder output ({img.num_tokens} tokens) exceeds the "
-                    "encoder cache; resize it or raise encoder_cache_bytes", code="image_too_large")
+                    "encoder cache; resize it or raise encoder_cache_bytes", "image_too_large")
 
     def abort(self, seq_id: SeqId) -> Sequence | None:
-        """Drop a sequence between steps; returns it, or None if unknown or already finished."""
+        """Drop a sequence (held, waiting, or running: then a step in flight discards its result); returns it, or
+        None if unknown or already finished."""
         seq = self.seqs.get(seq_id)
         if seq is None:
             return None
@@ -101,9 +107,6 @@ class Scheduler:
     def rank(self, seq: Sequence) -> tuple[float, int]:
         return self._rank[seq.seq_id]
 
-    def effective_priority(self, seq: Sequence) -> float:
-        return seq.priority - self.config.aging_rate * (self.num_steps - seq.arrival_step)
-
     @property
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -114,6 +117,8 @@ class Scheduler:
             raise RuntimeError("schedule() called twice; call update() with the runner's output first")
         out = SchedulerOutput(step=self.num_steps, finished_seq_ids=self._finished_ids)
         self._finished_ids = []
+        for seq in self.admission.release():  # their leaders computed the shared image (or went away)
+            bisect.insort(self.waiting, seq, key=self.rank)
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_encoder_patches)
         self._schedule_running(budget, out)
         if not out.preempted_seq_ids:
@@ -235,6 +240,7 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        self.admission.forget(seq)
         self.block_manager.free(seq)
         self.encoder_cache.release_all(seq.seq_id)
         del self.seqs[seq.seq_id], self._rank[seq.seq_id]

@@ -19,6 +19,23 @@ class SequenceStatus(Enum):
     def is_finished(self) -> bool:
         return self.name.startswith("FINISHED")
 
+    @property
+    def finish_reason(self) -> FinishReason:
+        return {SequenceStatus.FINISHED_STOPPED: FinishReason.STOP, SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+                SequenceStatus.FINISHED_ABORTED: FinishReason.CANCELED}[self]
+
+
+class FinishReason(str, Enum):
+    """Why a request's generation ended; the value is what result JSON carries in ``finish_reason``."""
+
+    STOP = "stop"  # sampled an eos token (the answer is complete)
+    LENGTH = "length"  # reached max_new_tokens
+    CANCELED = "canceled"  # aborted by the caller; the tokens so far are kept
+    ERROR = "error"  # failed alone (bad input, over a limit); the request's error says why
+
+    def __str__(self) -> str:
+        return self.value
+
 
 @dataclass(frozen=True, slots=True)
 class ImagePlaceholder:

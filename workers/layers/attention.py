@@ -66,12 +66,19 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        slot_mapping: list[int] | None = None,
     ) -> AttentionMetadata:
+        """Sequences in batch order; `slot_mapping` (the scheduler's, if it made one) is derived from the block
+        tables when not given."""
         assert len(query_lens) == len(context_lens) == len(block_tables)
         slots: list[int] = []
         for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
             assert 0 < q_len <= ctx_len <= len(table) * block_size
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx_len - q_len, ctx_len)]
+            if slot_mapping is None:
+                slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx_len - q_len, ctx_len)]
+        if slot_mapping is not None:
+            assert len(slot_mapping) == sum(query_lens)
+            slots = slot_mapping
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
 

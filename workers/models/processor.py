@@ -12,6 +12,7 @@ file layout is used by real Qwen2-VL checkpoints.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from transformers import AutoImageProcessor, AutoTokenizer
@@ -51,3 +52,41 @@ def render_prompt(processor, question: str) -> str:
     """Chat text for one user turn (one image, then the question), with the assistant turn opened."""
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+_QUESTION = "\x00question\x00"  # stands for the user's text when the chat template is rendered
+
+
+class ChatPrompt:
+    """`render_prompt` as token ids, with the user's text tokenized as plain text: a `<|image_pad|>` or
+    `<|im_start|>` a user types is text, never a control token (transformers' processor would parse it as one).
+
+    The template is tokenized once around a stand-in; it puts control tokens on both sides of the question, so
+    tokenizing the three parts apart gives the same ids as tokenizing the whole (for text without control tokens).
+    """
+
+    def __init__(self, processor, cache_size: int = 4096) -> None:
+        self.tokenizer = processor.tokenizer
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        head, tail = render_prompt(processor, _QUESTION).split(_QUESTION)
+        self._lock = threading.Lock()  # a fast tokenizer must not be entered from two threads at once
+        self.head, self.tail = self._tokenize(head, add_special_tokens=True), self._tokenize(tail)
+        self._cache: dict[str, list[int]] = {}  # question -> ids with one image pad
+        self._cache_size = cache_size  # bounded: prompts are free-form text
+
+    def ids(self, question: str, num_image_tokens: int = 1) -> list[int]:
+        """The prompt's ids with the image pad repeated `num_image_tokens` times (the image's LM tokens)."""
+        ids = self._cache.get(question)
+        if ids is None:
+            ids = self.head + self._tokenize(question, plain=True) + self.tail
+            if len(self._cache) >= self._cache_size:
+                self._cache.clear()
+            self._cache[question] = ids
+        at = ids.index(self.image_token_id)
+        return ids[:at] + [self.image_token_id] * num_image_tokens + ids[at + 1:]
+
+    def _tokenize(self, text: str, *, add_special_tokens: bool = False, plain: bool = False) -> list[int]:
+        # plain: control-token strings in `text` are split like any other text (split_special_tokens)
+        with self._lock:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens,
+                                       split_special_tokens=plain)["input_ids"])

@@ -22,11 +22,10 @@ from vlmq.workers.models.qwen2_vl import (
     Qwen2VLModel,
     decode_positions,
     get_mrope_positions,
-    image_embeds_for_chunk,
     segment_bounds,
 )
 
-__all__ = ["Qwen2_5_VLModel", "decode_positions", "get_mrope_positions", "image_embeds_for_chunk"]
+__all__ = ["Qwen2_5_VLModel", "decode_positions", "get_mrope_positions"]
 
 
 def window_partition(grid_thw: torch.Tensor, merge: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,18 +57,6 @@ def decode_positions(start: int, count: int, delta: int) -> torch.Tensor:
     return torch.arange(start + delta, start + delta + count).expand(3, -1)
 
 
-def image_embeds_for_chunk(images: list[tuple[int, torch.Tensor]], start: int, end: int) -> torch.Tensor | None:
-    """Embeddings for the image-pad tokens at sequence indices [start, end), in order.
-
-    images: (index of the image's first pad token in the sequence, its embeddings [n, hidden]) per image.
-    A chunk may cover any part of an image; only the overlapping rows are taken.
-    """
-    parts = [
-        e[max(start - at, 0) : min(end - at, e.shape[0])] for at, e in images if at < end and at + e.shape[0] > start
-    ]
-    return torch.cat(parts) if parts else None
-
-
 # ---------------------------------------------------------------------------------------------- vision tower
 def segment_bounds(grid_thw: torch.Tensor) -> torch.Tensor:
     # one attention segment per frame: cu_seqlens [sum t + 1] int32
@@ -171,8 +159,9 @@ class TextModel(nn.Module):
 
 
 class Qwen2VLModel(nn.Module):
-    """What the model runner drives: `encode_images` (packed), then `forward` over a flattened step of many
-    sequences on the paged cache, then `compute_logits` on the rows it samples from."""
+    """What the model runner drives: `prompt_positions` once per request, `encode_images` (packed), then
+    `language_model` over a flattened step of many sequences on the paged cache, then `compute_logits` on the rows
+    it samples from. Another family plugs in with the same methods (a 1-D family returns positions [1, L])."""
 
     vision_cls: type[nn.Module] = Qwen2VisionTransformer
 
@@ -184,35 +173,23 @@ class Qwen2VLModel(nn.Module):
         self.language_model = TextModel(tc)
         self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
         self.num_kv_heads, self.head_dim = tc.num_key_value_heads, tc.hidden_size // tc.num_attention_heads
+        self.max_positions = tc.max_position_embeddings
+
+    def prompt_positions(self, token_ids: list[int], grid_thw: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Rotary positions of a prompt: M-RoPE [3, L] and delta (generated token i sits at i + delta).
+
+        Raises ValueError when the prompt's image tokens do not match `grid_thw` ([N, 3], one row per image)."""
+        return get_mrope_positions(token_ids, grid_thw if grid_thw.numel() else None, self.config)
+
+    def decode_positions(self, start: int, count: int, delta: int) -> torch.Tensor:
+        """Positions [3, count] of generated tokens start..start+count-1."""
+        return decode_positions(start, count, delta)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values: [P, patch_dim] of N images; grid_thw: [N, 3] -> N tensors [t*h*w/merge², hidden]."""
         dtype = self.visual.patch_embed.proj.weight.dtype
         embeds = self.visual(pixel_values.to(dtype), grid_thw)
         return list(embeds.split((grid_thw.prod(-1) // self.visual.merge**2).tolist()))
-
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        # input_ids: [T]; image_embeds: [number of image-pad tokens in input_ids, hidden], in order
-        x = self.language_model.embed_tokens(input_ids)
-        mask = input_ids == self.config.image_token_id
-        n = int(mask.sum())
-        if n or image_embeds is not None:
-            if image_embeds is None or image_embeds.shape[0] != n:
-                got = None if image_embeds is None else image_embeds.shape[0]
-                raise ValueError(f"{n} image-pad tokens in the step but {got} image embeddings")
-            x = x.masked_scatter(mask[:, None], image_embeds.to(x.dtype))
-        return x
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[KVCache],
-        image_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids: [T] flattened tokens of all sequences; positions: [3, T] -> hidden states [T, hidden]."""
-        return self.language_model(self.embed(input_ids, image_embeds), positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [T, hidden] -> [T, vocab]

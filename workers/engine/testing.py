@@ -1,4 +1,5 @@
-"""A deterministic CPU stand-in for the model runner: the runner contract, executable.
+"""The runner contract's test double: a deterministic CPU stand-in for ModelRunner, and helpers that drive a
+scheduler with it. Tests of the scheduler, block manager and caches use it; nothing in a worker does.
 
 It keeps a fake paged KV cache (slot -> (position, feature)), writes each scheduled
 token's feature into the slot the scheduler mapped it to, and samples the next token
