@@ -11,7 +11,8 @@ of :func:`vlmq.images.probe` comes back with the same code. Children run at a lo
 model keeps the cores it needs.
 
 Wire between parent and child (pipes; no pickle): a 4-byte big-endian length, a JSON header, then a body of the
-header's ``size`` bytes. Request header ``{"limits": {...}, "size": n}``, body the encoded image; reply header
+header's ``size`` bytes. A child first says ``{"ready": true, "size": 0}`` (budgets count from then on). Request
+header ``{"limits": {...}, "cpu_seconds": s, "size": n}``, body the encoded image; reply header
 ``{"width": w, "height": h, "size": n}`` with the RGB pixels as body, or ``{"code": c, "message": m, "size": 0}``.
 """
 from __future__ import annotations
@@ -27,16 +28,18 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import IO, Any
 
 from PIL import Image
 
+from vlmq import images
 from vlmq.errors import InvalidRequest
 from vlmq.images import ImageLimits
 
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct(">I")
+_START_S = 60.0  # a child must start within this (not counted in any image's budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +51,12 @@ class DecodeBudget:
         wall_factor: wall-clock limit per image as a multiple of ``cpu_seconds`` (a child starved of CPU by a
             busy machine still ends).
         memory_bytes: address-space limit of each child (a 40 MP RGBA PNG needs about 0.8 GB to canonicalise).
-        processes: children decoding at once; more requests wait for a free one.
+        processes: children decoding large images at once; more requests wait for a free one.
         nice: CPU priority increment of the children.
+        light_pixels: an image of at most this many pixels ...
+        light_bytes: ... and at most this many bytes is decoded in the light lane (see :class:`DecodePool`).
+        light_processes: children decoding light images at once.
+        light_cpu_seconds: CPU time per light image (a 4 MP image decodes in well under a second).
     """
 
     cpu_seconds: float = 10.0
@@ -57,9 +64,14 @@ class DecodeBudget:
     memory_bytes: int = 2 * 1024**3
     processes: int = 2
     nice: int = 10
+    light_pixels: int = 4_000_000
+    light_bytes: int = 4 * 1024**2
+    light_processes: int = 2
+    light_cpu_seconds: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.cpu_seconds <= 0 or self.wall_factor < 1 or self.memory_bytes < 256 * 1024**2 or self.processes < 1:
+        if min(self.cpu_seconds, self.light_cpu_seconds) <= 0 or self.wall_factor < 1 \
+                or self.memory_bytes < 256 * 1024**2 or min(self.processes, self.light_processes) < 1:
             raise ValueError(f"invalid decode budget {self}")
 
     @property
@@ -84,6 +96,11 @@ class _Child:
             [sys.executable, "-m", "vlmq.workers.decode", str(budget.memory_bytes), str(budget.nice)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._buffer = bytearray()
+        try:
+            self._reply(time.monotonic() + _START_S)  # started and imported: budgets count from here
+        except _Lost as e:  # the worker's fault, not an image's: the job fails retryable (internal_error)
+            self.kill()
+            raise RuntimeError(f"an image decoding process did not start: {e}") from None
 
     def decode(self, data: bytes, limits: ImageLimits) -> Image.Image:
         assert self.proc.stdin is not None
@@ -92,12 +109,14 @@ class _Child:
             _write(self.proc.stdin, header.encode(), data)
         except (BrokenPipeError, OSError) as e:
             raise self._lost(f"the decoding process stopped reading: {e}") from e
-        deadline = time.monotonic() + self.budget.wall_seconds
-        reply = json.loads(self._read(_LENGTH.unpack(self._read(4, deadline))[0], deadline))
-        body = self._read(reply["size"], deadline)
+        reply, body = self._reply(time.monotonic() + self.budget.wall_seconds)
         if "code" in reply:
             raise InvalidRequest(reply["message"], code=reply["code"])
         return Image.frombytes("RGB", (reply["width"], reply["height"]), body)
+
+    def _reply(self, deadline: float) -> tuple[dict[str, Any], bytes]:
+        header = json.loads(self._read(_LENGTH.unpack(self._read(4, deadline))[0], deadline))
+        return header, self._read(header["size"], deadline)
 
     def _read(self, n: int, deadline: float) -> bytes:
         assert self.proc.stdout is not None
@@ -124,39 +143,37 @@ class _Child:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait()
+        self.close()
 
     def close(self) -> None:
+        """Closes the pipes (an idle child then exits) and reaps the process."""
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
-                pipe.close()
+                try:
+                    pipe.close()
+                except BrokenPipeError:  # unflushed request bytes to a dead child
+                    pass
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
-            self.kill()
+            self.proc.kill()
+            self.proc.wait()
 
 
-class DecodePool:
-    """Decodes images in child processes within a :class:`DecodeBudget`; thread-safe."""
+class _Lane:
+    """Children sharing one budget; at most ``processes`` decode at once, more requests wait."""
 
-    def __init__(self, budget: DecodeBudget = DecodeBudget()) -> None:
+    def __init__(self, budget: DecodeBudget, processes: int) -> None:
         self.budget = budget
-        self._slots = threading.BoundedSemaphore(budget.processes)
+        self._slots = threading.BoundedSemaphore(processes)
         self._idle: list[_Child] = []
         self._lock = threading.Lock()
 
     def decode(self, data: bytes, limits: ImageLimits) -> Image.Image:
-        """Like :func:`vlmq.images.decode`, in a child process.
-
-        Raises:
-            InvalidRequest: the codes of :func:`vlmq.images.decode`, or ``decode_timeout``,
-                ``decode_out_of_memory``, ``decode_crashed``.
-        """
         with self._slots:
-            with self._lock:
-                child = self._idle.pop() if self._idle else _Child(self.budget)
+            child = self._take()
             try:
-                image = child.decode(bytes(data), limits)
+                image = child.decode(data, limits)
             except _Lost as e:
                 log.warning("image decoding process %d lost: %s: %s", child.proc.pid, e.code, e)
                 child.kill()
@@ -168,11 +185,62 @@ class DecodePool:
                 self._idle.append(child)
             return image
 
+    def idle_pids(self) -> list[int]:
+        with self._lock:
+            return [child.proc.pid for child in self._idle]
+
+    def _take(self) -> _Child:
+        """An idle child that is still alive (one killed while idle, by the OOM killer say, is replaced)."""
+        while True:
+            with self._lock:
+                child = self._idle.pop() if self._idle else None
+            if child is None:
+                return _Child(self.budget)
+            if child.proc.poll() is None:
+                return child
+            log.warning("image decoding process %d exited while idle (%s); starting another", child.proc.pid,
+                        child.proc.returncode)
+            child.close()
+
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for child in idle:
             child.close()
+
+
+class DecodePool:
+    """Decodes images in child processes within a :class:`DecodeBudget`; thread-safe.
+
+    Two lanes, so that large images queueing for a decoder never hold up ordinary ones: an image whose probe
+    (the SDK's header checks, bounded by the limits) shows at most ``light_pixels`` and ``light_bytes`` goes to the
+    light lane, with its own processes and the smaller ``light_cpu_seconds`` budget; any other to the heavy lane.
+    """
+
+    def __init__(self, budget: DecodeBudget = DecodeBudget()) -> None:
+        self.budget = budget
+        light = replace(budget, cpu_seconds=min(budget.cpu_seconds, budget.light_cpu_seconds))
+        self._heavy, self._light = _Lane(budget, budget.processes), _Lane(light, budget.light_processes)
+
+    def decode(self, data: bytes, limits: ImageLimits) -> Image.Image:
+        """Like :func:`vlmq.images.decode`, in a child process.
+
+        Raises:
+            InvalidRequest: the codes of :func:`vlmq.images.decode`, or ``decode_timeout``,
+                ``decode_out_of_memory``, ``decode_crashed``.
+        """
+        data = bytes(data)
+        info = images.probe(data, limits)  # refused here with the SDK's code, or sized for a lane
+        light = info.width * info.height <= self.budget.light_pixels and len(data) <= self.budget.light_bytes
+        return (self._light if light else self._heavy).decode(data, limits)
+
+    def idle_pids(self) -> list[int]:
+        """Process ids of the decoding processes waiting for work."""
+        return self._heavy.idle_pids() + self._light.idle_pids()
+
+    def close(self) -> None:
+        self._heavy.close()
+        self._light.close()
 
 
 _pool: DecodePool | None = None
@@ -204,13 +272,11 @@ def _read_exactly(stream: IO[bytes], n: int) -> bytes:
 
 
 def _serve_one(request: IO[bytes], reply: IO[bytes]) -> None:
-    from vlmq.images import decode as decode_here
-
     header: dict[str, Any] = json.loads(_read_exactly(request, _LENGTH.unpack(_read_exactly(request, 4))[0]))
     data = _read_exactly(request, header["size"])
     signal.setitimer(signal.ITIMER_PROF, header["cpu_seconds"])  # SIGPROF ends this process past it
     try:
-        image = decode_here(data, ImageLimits(**header["limits"]))
+        image = images.decode(data, ImageLimits(**header["limits"]))
         (width, height), pixels = image.size, image.tobytes()
         del image, data
     except InvalidRequest as e:
@@ -232,6 +298,7 @@ def main() -> None:
     reply = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
     request = sys.stdin.buffer
+    _write(reply, json.dumps({"ready": True, "size": 0}).encode(), b"")
     while True:
         try:
             _serve_one(request, reply)
