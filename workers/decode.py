@@ -295,6 +295,7 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     os.nice(nice)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal stops the worker; this child follows on EOF
     reply = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
     request = sys.stdin.buffer
