@@ -63,17 +63,14 @@ from PIL import (
 
 from vlmq import imagescan
 from vlmq.errors import InvalidRequest
-from vlmq.imagescan import Layout, check_size
+from vlmq.imagescan import ImageLimits, Layout, check_size
 
 __all__ = [
-    "SUPPORTED_FORMATS", "ImageInfo", "ImageLimits", "ImageSource",
+    "DEFAULT_LIMITS", "SUPPORTED_FORMATS", "ImageInfo", "ImageLimits", "ImageSource",
     "decode", "is_storage_url", "load_source", "pixel_hash", "probe",
 ]
 
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
-
-# Pillow warns above this many pixels (its default MAX_IMAGE_PIXELS); our limits stay below it.
-_PIL_WARN_PIXELS = 89_478_485
 
 _OPENERS: dict[str, type[ImageFile.ImageFile]] = {
     "JPEG": JpegImagePlugin.JpegImageFile,
@@ -90,40 +87,11 @@ _SELF_ORIENTING = frozenset({"TIFF"})
 # Errors Pillow raises on malformed or truncated data.
 _PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError, TypeError, KeyError)
 
+DEFAULT_LIMITS = ImageLimits()
+"""The limits used when none are given (the SDK's and workers' defaults)."""
+
 ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, IO[bytes], Image.Image]
 """What :func:`load_source` accepts."""
-
-
-@dataclass(frozen=True, slots=True)
-class ImageLimits:
-    """Limits every input image must satisfy.
-
-    Attributes:
-        max_bytes: largest encoded size in bytes.
-        max_pixels: largest declared ``width * height`` (at most Pillow's warning threshold).
-        max_side: largest declared width or height.
-        max_frames: most frames an animation may have (only the first is used).
-        max_chunks: most container chunks, segments, blocks, TIFF tags or strips a file may have (each costs
-            the decoder a step: 1.5 M empty PNG chunks held the GIL for 10 s).
-        max_scans: most JPEG scans (a progressive decoder passes over every block once per scan).
-        max_metadata_bytes: most bytes of ancillary data (EXIF, XMP, ICC, text, unknown chunks).
-    """
-
-    max_bytes: int = 20 * 1024 * 1024
-    max_pixels: int = 40_000_000
-    max_side: int = 20_000
-    max_frames: int = 1000
-    max_chunks: int = 20_000
-    max_scans: int = 100
-    max_metadata_bytes: int = 8 * 1024 * 1024
-
-    def __post_init__(self) -> None:
-        for name in self.__slots__:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_pixels > _PIL_WARN_PIXELS:
-            raise ValueError(f"max_pixels must be at most {_PIL_WARN_PIXELS} (Pillow's decompression-bomb threshold)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +248,7 @@ def _open_quietly(data: bytes, limits: ImageLimits) -> tuple[ImageInfo, ImageFil
     return info, im
 
 
-def probe(data: bytes, limits: ImageLimits = ImageLimits()) -> ImageInfo:
+def probe(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> ImageInfo:
     """Reads an image's headers (no pixel decode) and checks it against the limits.
 
     Args:
@@ -324,7 +292,7 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def decode(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
+def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
     """Decodes the first frame of an image to canonical RGB with EXIF orientation applied.
 
     Args:
@@ -462,7 +430,7 @@ def _from_pil(img: Image.Image, limits: ImageLimits) -> bytes:
     return buffer.getvalue()
 
 
-def load_source(image: ImageSource, limits: ImageLimits = ImageLimits()) -> bytes:
+def load_source(image: ImageSource, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
     """Returns the encoded bytes of an image given as a path, bytes, file object or PIL image.
 
     Accepted: a local path (``str`` or ``os.PathLike``); ``bytes``, ``bytearray`` or

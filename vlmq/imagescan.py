@@ -10,7 +10,7 @@ as a limit is passed, and returns the declared size and frame count. It refuses 
   no GIF trailer, a chunk, segment, strip or RIFF body that runs past the end), or its compressed data is too
   small to hold the declared pixels even at the format's best compression ratio;
 * ``too_many_chunks``: more chunks, segments, blocks, TIFF tags or strips than ``max_chunks``, or more JPEG
-  scans than ``max_scans`` (each costs Pillow or libjpeg a pass: 1.5 M empty PNG chunks held the GIL for 10 s);
+  scans than ``max_scans`` (each costs Pillow a Python step, or libjpeg a pass over every block);
 * ``too_many_frames``: more animation frames (GIF images, APNG ``acTL``, WebP ``ANMF``, TIFF IFDs) than
   ``max_frames``;
 * ``metadata_too_large``: more than ``max_metadata_bytes`` in ancillary data (PNG ancillary chunks, JPEG APPn
@@ -22,12 +22,43 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from vlmq.errors import InvalidRequest
 
-if TYPE_CHECKING:
-    from vlmq.images import ImageLimits
+# Pillow warns above this many pixels (its default MAX_IMAGE_PIXELS); our limits stay below it.
+_PIL_WARN_PIXELS = 89_478_485
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """Limits every input image must satisfy.
+
+    Attributes:
+        max_bytes: largest encoded size in bytes.
+        max_pixels: largest declared ``width * height`` (at most Pillow's warning threshold).
+        max_side: largest declared width or height.
+        max_frames: most frames an animation may have (only the first is used).
+        max_chunks: most container chunks, segments, blocks, TIFF tags or strips a file may have (Pillow handles
+            each in Python, holding the GIL: a flood of empty chunks costs seconds within ``max_bytes``).
+        max_scans: most JPEG scans (a progressive decoder passes over every block once per scan).
+        max_metadata_bytes: most bytes of ancillary data (EXIF, XMP, ICC, text, unknown chunks).
+    """
+
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 40_000_000
+    max_side: int = 20_000
+    max_frames: int = 1000
+    max_chunks: int = 20_000
+    max_scans: int = 100
+    max_metadata_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_pixels > _PIL_WARN_PIXELS:
+            raise ValueError(f"max_pixels must be at most {_PIL_WARN_PIXELS} (Pillow's decompression-bomb threshold)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,13 +50,14 @@ class DecodeBudget:
         cpu_seconds: CPU time per image.
         wall_factor: wall-clock limit per image as a multiple of ``cpu_seconds`` (a child starved of CPU by a
             busy machine still ends).
-        memory_bytes: address-space limit of each child (a 40 MP RGBA PNG needs about 0.8 GB to canonicalise).
+        memory_bytes: address-space limit of each child (canonicalising an image at ``max_pixels`` copies it a
+            few times).
         processes: children decoding large images at once; more requests wait for a free one.
         nice: CPU priority increment of the children.
         light_pixels: an image of at most this many pixels ...
         light_bytes: ... and at most this many bytes is decoded in the light lane (see :class:`DecodePool`).
         light_processes: children decoding light images at once.
-        light_cpu_seconds: CPU time per light image (a 4 MP image decodes in well under a second).
+        light_cpu_seconds: CPU time per light image.
     """
 
     cpu_seconds: float = 10.0
