@@ -96,7 +96,6 @@ class _Child:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vlmq.workers.decode", str(budget.memory_bytes), str(budget.nice)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._buffer = bytearray()
         try:
             self._reply(time.monotonic() + _START_S)  # started and imported: budgets count from here
         except _Lost as e:  # the worker's fault, not an image's: the job fails retryable (internal_error)
@@ -115,24 +114,25 @@ class _Child:
             raise InvalidRequest(reply["message"], code=reply["code"])
         return Image.frombytes("RGB", (reply["width"], reply["height"]), body)
 
-    def _reply(self, deadline: float) -> tuple[dict[str, Any], bytes]:
+    def _reply(self, deadline: float) -> tuple[dict[str, Any], bytearray]:
         header = json.loads(self._read(_LENGTH.unpack(self._read(4, deadline))[0], deadline))
         return header, self._read(header["size"], deadline)
 
-    def _read(self, n: int, deadline: float) -> bytes:
+    def _read(self, n: int, deadline: float) -> bytearray:
+        """Exactly ``n`` bytes of the reply, read straight into one buffer (the pixels are copied once more, by
+        Pillow)."""
         assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while len(self._buffer) < n:
+        fd, out = self.proc.stdout.fileno(), bytearray(n)
+        view, filled = memoryview(out), 0
+        while filled < n:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 self.kill()
                 raise _Lost("decode_timeout", f"decoding took longer than {self.budget.wall_seconds:g} s of wall time")
-            chunk = os.read(fd, max(n - len(self._buffer), 1 << 16))
-            if not chunk:
+            got = os.readv(fd, [view[filled:]])
+            if not got:
                 raise self._lost("the decoding process exited")
-            self._buffer += chunk
-        out = bytes(self._buffer[:n])
-        del self._buffer[:n]
+            filled += got
         return out
 
     def _lost(self, what: str) -> _Lost:
