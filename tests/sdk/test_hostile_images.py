@@ -1,6 +1,9 @@
 """The hostile-image corpus at submit: every file is refused with its code, or served, within a time bound."""
 from __future__ import annotations
 
+import functools
+import io
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -8,7 +11,7 @@ from typing import Any
 
 import pytest
 from hostile_images import CASES, Case
-from PIL import ImageFile
+from PIL import Image, ImageFile
 
 from vlmq.errors import InvalidRequest
 from vlmq.images import SUPPORTED_FORMATS, decode, probe
@@ -71,3 +74,19 @@ def test_the_exif_loop_is_read_once() -> None:
     data = next(case for case in CASES if case.name == "jpeg EXIF IFD loop").data()
     info = probe(data)
     assert (info.orientation, info.width, info.height) == (6, 20, 40)
+
+
+@pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
+def test_byte_flips_in_valid_files_are_refused_with_a_code_or_served(fmt: str) -> None:
+    source = Image.effect_noise((40, 30), 60).convert("RGB")
+    buffer = io.BytesIO()
+    source.save(buffer, fmt)
+    valid, rng = buffer.getvalue(), random.Random(fmt)
+    for _ in range(150):
+        data = bytearray(valid)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        for call in (probe, decode):  # InvalidRequest or an answer; anything else fails the test
+            code, seconds, result = _outcome(functools.partial(call, bytes(data)))
+            assert seconds < PROBE_BOUND_S, (fmt, call.__name__, seconds)
+            assert code is not None or result.width * result.height > 0
