@@ -136,7 +136,11 @@ class _Child:
         return out
 
     def _lost(self, what: str) -> _Lost:
-        code = self.proc.wait()
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # alive but not answering: out of step for good
+            self.proc.kill()
+            code = self.proc.wait()
         if code == -signal.SIGPROF:
             return _Lost("decode_timeout", f"decoding used more than {self.budget.cpu_seconds} s of CPU")
         return _Lost("decode_crashed", f"{what} (exit status {code}) while decoding this image")
