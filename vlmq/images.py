@@ -2,15 +2,20 @@
 
 Two steps, both refusing bad input with :class:`~vlmq.errors.InvalidRequest`:
 
-* :func:`probe` (the SDK, at submit) reads headers only. The declared size is
-  parsed by our own code for every supported format (JPEG, PNG, WebP, GIF, BMP,
-  TIFF) and checked against :class:`ImageLimits` *before* Pillow sees the bytes,
-  so a decompression bomb is refused without allocating or decoding anything.
+* :func:`probe` (the SDK, at submit) reads headers only. Our own code
+  (:mod:`vlmq.imagescan`) walks the container of every supported format (JPEG,
+  PNG, WebP, GIF, BMP, TIFF) and checks it against :class:`ImageLimits` *before*
+  Pillow sees the bytes: the declared size (a decompression bomb is refused
+  without allocating or decoding anything), the number of chunks, frames and
+  scans, the metadata size, and truncation (a missing end marker, or compressed
+  data too small for the declared size; a truncated file is never grey-filled).
   Pillow's plugin classes are then used directly (not ``Image.open``), which skips
   Pillow's own ``DecompressionBombWarning`` check; our limits are kept below
   Pillow's threshold so its remaining internal checks stay silent.
-* :func:`decode` (the worker) re-runs the probe, decodes the first frame and
-  canonicalises it to 8-bit RGB with EXIF orientation applied.
+* :func:`decode` re-runs the probe (the same refusals, with the same codes),
+  decodes the first frame and canonicalises it to 8-bit RGB with EXIF
+  orientation applied. Workers call it in a separate process with a time and
+  memory budget (``vlmq.workers.decode``).
 
 Canonical RGB:
     * transparency (alpha bands, palette or colour-key ``transparency``) is
@@ -24,8 +29,9 @@ Canonical RGB:
       TIFF tag 274) is applied; orientations 5-8 swap width and height.
 
 Error codes: ``empty_image``, ``image_too_large``, ``not_an_image``,
-``unsupported_format``, ``too_many_pixels``, ``corrupt_image``,
-``bad_image_source``, ``image_not_found``.
+``unsupported_format``, ``too_many_pixels``, ``truncated_image``,
+``too_many_chunks``, ``too_many_frames``, ``metadata_too_large``,
+``corrupt_image``, ``bad_image_source``, ``image_not_found``.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import io
 import os
 import re
 import struct
+import urllib.parse
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -54,17 +61,16 @@ from PIL import (
     WebPImagePlugin,
 )
 
+from vlmq import imagescan
 from vlmq.errors import InvalidRequest
+from vlmq.imagescan import ImageLimits, Layout, check_size
 
 __all__ = [
-    "SUPPORTED_FORMATS", "ImageInfo", "ImageLimits", "ImageSource",
+    "DEFAULT_LIMITS", "SUPPORTED_FORMATS", "ImageInfo", "ImageLimits", "ImageSource",
     "decode", "is_storage_url", "load_source", "pixel_hash", "probe",
 ]
 
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
-
-# Pillow warns above this many pixels (its default MAX_IMAGE_PIXELS); our limits stay below it.
-_PIL_WARN_PIXELS = 89_478_485
 
 _OPENERS: dict[str, type[ImageFile.ImageFile]] = {
     "JPEG": JpegImagePlugin.JpegImageFile,
@@ -81,33 +87,11 @@ _SELF_ORIENTING = frozenset({"TIFF"})
 # Errors Pillow raises on malformed or truncated data.
 _PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError, TypeError, KeyError)
 
+DEFAULT_LIMITS = ImageLimits()
+"""The limits used when none are given (the SDK's and workers' defaults)."""
+
 ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, IO[bytes], Image.Image]
 """What :func:`load_source` accepts."""
-
-
-@dataclass(frozen=True, slots=True)
-class ImageLimits:
-    """Limits every input image must satisfy.
-
-    Attributes:
-        max_bytes: largest encoded size in bytes.
-        max_pixels: largest declared ``width * height`` (at most Pillow's warning threshold).
-        max_side: largest declared width or height.
-        max_frames_checked: frames counted at most when probing an animation.
-    """
-
-    max_bytes: int = 20 * 1024 * 1024
-    max_pixels: int = 40_000_000
-    max_side: int = 20_000
-    max_frames_checked: int = 1000
-
-    def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "max_side", "max_frames_checked"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_pixels > _PIL_WARN_PIXELS:
-            raise ValueError(f"max_pixels must be at most {_PIL_WARN_PIXELS} (Pillow's decompression-bomb threshold)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +104,7 @@ class ImageInfo:
         height: height as displayed (after EXIF orientation).
         orientation: EXIF orientation 1-8 (1 when absent or invalid).
         mode: Pillow mode of the stored pixels (``RGB``, ``P``, ``CMYK``, ``I;16`` ...).
-        n_frames: frames in the file, counted up to ``ImageLimits.max_frames_checked``.
+        n_frames: frames in the file (at most ``ImageLimits.max_frames``).
     """
 
     format: str
@@ -188,158 +172,15 @@ def _unsupported_name(data: bytes) -> str | None:
     return None
 
 
-# --- declared sizes, parsed without Pillow ---------------------------------------------------------
+# --- declared sizes and structure, parsed without Pillow (vlmq.imagescan) -----------------------
 
-def _corrupt(fmt: str, what: str) -> InvalidRequest:
-    return InvalidRequest(f"the {fmt} header is corrupt or truncated ({what})", code="corrupt_image")
-
-
-def _jpeg_size(data: bytes) -> tuple[int, int]:
-    pos = 2
-    while pos + 4 <= len(data):
-        if data[pos] != 0xFF:
-            raise _corrupt("JPEG", f"no marker at byte {pos}")
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # markers without a length
-            pos += 2
-            continue
-        if marker in (0xD9, 0xDA):  # end of image / start of scan before any frame header
-            break
-        (length,) = struct.unpack_from(">H", data, pos + 2)
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
-            if pos + 9 > len(data):
-                break
-            height, width = struct.unpack_from(">HH", data, pos + 5)
-            return width, height
-        pos += 2 + length
-    raise _corrupt("JPEG", "no frame header")
-
-
-def _png_size(data: bytes) -> tuple[int, int]:
-    if len(data) < 24 or data[12:16] != b"IHDR":
-        raise _corrupt("PNG", "no IHDR chunk")
-    width, height = struct.unpack_from(">II", data, 16)
-    return width, height
-
-
-def _webp_size(data: bytes) -> tuple[int, int]:
-    chunk = data[12:16]
+def _declared(data: bytes, fmt: str, limits: ImageLimits) -> Layout:
+    """Walks the container in our own code: declared size, frames, and the structure limits."""
     try:
-        if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
-            width, height = struct.unpack_from("<HH", data, 26)
-            return width & 0x3FFF, height & 0x3FFF
-        if chunk == b"VP8L" and data[20:21] == b"\x2f":
-            (bits,) = struct.unpack_from("<I", data, 21)
-            return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
-        if chunk == b"VP8X" and len(data) >= 30:
-            return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
-    except struct.error:
-        pass
-    raise _corrupt("WebP", "no VP8/VP8L/VP8X header")
-
-
-def _gif_skip_sub_blocks(data: bytes, pos: int) -> int:
-    while data[pos]:
-        pos += data[pos] + 1
-    return pos + 1
-
-
-def _gif_scan(data: bytes, max_frames: int) -> tuple[int, int, int]:
-    """Returns the declared (width, height) including the first frame's extent, and frames counted."""
-    if len(data) < 13:
-        raise _corrupt("GIF", "short logical screen descriptor")
-    width, height = struct.unpack_from("<HH", data, 6)
-    flags = data[10]
-    pos = 13 + (3 * (2 << (flags & 7)) if flags & 0x80 else 0)
-    frames = 0
-    try:
-        while frames < max_frames and data[pos] != 0x3B:
-            if data[pos] == 0x21:  # extension: introducer, label, sub-blocks
-                pos = _gif_skip_sub_blocks(data, pos + 2)
-            elif data[pos] == 0x2C:  # image descriptor
-                x0, y0, w, h = struct.unpack_from("<HHHH", data, pos + 1)
-                if frames == 0:  # Pillow grows the canvas to the first frame's extent
-                    width, height = max(width, x0 + w), max(height, y0 + h)
-                local = data[pos + 9]
-                pos += 10 + (3 * (2 << (local & 7)) if local & 0x80 else 0)
-                pos = _gif_skip_sub_blocks(data, pos + 1)  # +1: LZW minimum code size
-                frames += 1
-            else:
-                break
-    except (IndexError, struct.error):
-        pass  # truncated after the header: counted what is there; decode reports the damage
-    return width, height, frames
-
-
-def _tiff_scan(data: bytes, max_frames: int) -> tuple[int, int, int]:
-    """Returns (width, height) of the first IFD and the number of IFDs counted."""
-    endian = "<" if data[:2] == b"II" else ">"
-    size: tuple[int, int] | None = None
-    frames = 0
-    seen: set[int] = set()
-    try:
-        (offset,) = struct.unpack_from(endian + "I", data, 4)
-        while offset and offset not in seen and frames < max_frames:
-            seen.add(offset)
-            (count,) = struct.unpack_from(endian + "H", data, offset)
-            if size is None:
-                size = _tiff_ifd_size(data, endian, offset, count)
-            frames += 1
-            (offset,) = struct.unpack_from(endian + "I", data, offset + 2 + 12 * count)
-    except struct.error:
-        pass
-    if size is None:
-        raise _corrupt("TIFF", "no readable first IFD with ImageWidth and ImageLength")
-    return size[0], size[1], frames
-
-
-def _tiff_ifd_size(data: bytes, endian: str, offset: int, count: int) -> tuple[int, int]:
-    values: dict[int, int] = {}
-    for i in range(count):
-        tag, kind = struct.unpack_from(endian + "HH", data, offset + 2 + 12 * i)
-        if tag in (256, 257) and kind in (3, 4):
-            fmt = endian + ("H" if kind == 3 else "I")
-            values[tag] = struct.unpack_from(fmt, data, offset + 2 + 12 * i + 8)[0]
-    if 256 not in values or 257 not in values:
-        raise _corrupt("TIFF", "ImageWidth or ImageLength missing")
-    return values[256], values[257]
-
-
-def _declared(data: bytes, fmt: str, limits: ImageLimits) -> tuple[int, int, int | None]:
-    """Returns the declared (width, height, frames) of a sniffed image; frames is None when not counted."""
-    if fmt == "GIF":
-        return _gif_scan(data, limits.max_frames_checked)
-    if fmt == "TIFF":
-        return _tiff_scan(data, limits.max_frames_checked)
-    try:
-        parse = {"JPEG": _jpeg_size, "PNG": _png_size, "WEBP": _webp_size, "BMP": _bmp_size}[fmt]
-        width, height = parse(data)
-    except struct.error as e:
-        raise _corrupt(fmt, "header cut short") from e
-    return width, height, None
-
-
-def _bmp_size(data: bytes) -> tuple[int, int]:
-    (header,) = struct.unpack_from("<I", data, 14)
-    if header == 12:  # OS/2 BITMAPCOREHEADER
-        width, height = struct.unpack_from("<HH", data, 18)
-        return width, height
-    width, height = struct.unpack_from("<ii", data, 18)
-    return width, abs(height)  # negative height: rows stored top-down
-
-
-def _check_size(width: int, height: int, limits: ImageLimits) -> None:
-    if width < 1 or height < 1:
-        raise InvalidRequest(f"the image declares an empty size {width}x{height}", code="corrupt_image")
-    if max(width, height) > limits.max_side or width * height > limits.max_pixels:
-        raise InvalidRequest(
-            f"the image declares {width}x{height} pixels; the limits are {limits.max_side} per side and "
-            f"{limits.max_pixels} in all. Downscale it before submitting",
-            code="too_many_pixels",
-        )
+        return imagescan.WALKS[fmt](data, limits)
+    except (struct.error, IndexError) as e:
+        raise InvalidRequest(f"the {fmt} file is truncated (a header is cut short); submit the complete file",
+                             code="truncated_image") from e
 
 
 # --- probe ---------------------------------------------------------------------------------------
@@ -390,27 +231,24 @@ def _open(data: bytes, limits: ImageLimits) -> tuple[ImageInfo, ImageFile.ImageF
 def _open_quietly(data: bytes, limits: ImageLimits) -> tuple[ImageInfo, ImageFile.ImageFile]:
     _check_bytes(data, limits)
     fmt = _sniff(data)
-    width, height, frames = _declared(data, fmt, limits)
-    _check_size(width, height, limits)
+    layout = _declared(data, fmt, limits)
     try:
         im = _OPENERS[fmt](io.BytesIO(data))
     except Image.DecompressionBombError as e:
         raise InvalidRequest(f"the image is too large to decode safely: {e}", code="too_many_pixels") from e
     except _PIL_ERRORS as e:
         raise InvalidRequest(f"the {fmt} image is corrupt: {e}", code="corrupt_image") from e
-    _check_size(im.width, im.height, limits)
+    check_size(im.width, im.height, limits)
     orientation = _orientation(im)
-    if frames is None:  # JPEG, BMP: 1; PNG (APNG) and WebP: from the headers Pillow has read
-        frames = min(int(getattr(im, "n_frames", 1)), limits.max_frames_checked)
     swap = orientation >= 5 and fmt not in _SELF_ORIENTING
     info = ImageInfo(
         format=fmt, width=im.height if swap else im.width, height=im.width if swap else im.height,
-        orientation=orientation, mode=im.mode, n_frames=max(frames, 1),
+        orientation=orientation, mode=im.mode, n_frames=layout.frames,
     )
     return info, im
 
 
-def probe(data: bytes, limits: ImageLimits = ImageLimits()) -> ImageInfo:
+def probe(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> ImageInfo:
     """Reads an image's headers (no pixel decode) and checks it against the limits.
 
     Args:
@@ -422,9 +260,11 @@ def probe(data: bytes, limits: ImageLimits = ImageLimits()) -> ImageInfo:
 
     Raises:
         InvalidRequest: with code ``empty_image``, ``image_too_large``,
-            ``not_an_image``, ``unsupported_format``, ``too_many_pixels`` or
-            ``corrupt_image`` (a header that cannot be parsed). Damage in the
-            pixel data is only found by :func:`decode`.
+            ``not_an_image``, ``unsupported_format``, ``too_many_pixels``,
+            ``truncated_image``, ``too_many_chunks``, ``too_many_frames``,
+            ``metadata_too_large`` or ``corrupt_image`` (a header that cannot be
+            parsed). Damage inside the compressed pixel data is only found by
+            :func:`decode`.
     """
     return _open(bytes(data), limits)[0]
 
@@ -452,7 +292,7 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def decode(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
+def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
     """Decodes the first frame of an image to canonical RGB with EXIF orientation applied.
 
     Args:
@@ -519,7 +359,6 @@ def pixel_hash(img: Image.Image) -> str:
 # --- sources ------------------------------------------------------------------------------------
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_STORAGE_PREFIXES = ("s3://", "file://")
 
 
 def is_storage_url(value: object) -> bool:
@@ -529,9 +368,17 @@ def is_storage_url(value: object) -> bool:
         value: what the user passed as the image.
 
     Returns:
-        True for an ``s3://`` or ``file://`` string (any letter case).
+        True for an ``s3://`` string (any letter case): ``Client.submit`` reads it from the pool's bucket.
     """
-    return isinstance(value, str) and value.lower().startswith(_STORAGE_PREFIXES)
+    return isinstance(value, str) and value.lower().startswith("s3://")
+
+
+def _from_file_url(url: str, limits: ImageLimits) -> bytes:
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise InvalidRequest(f"{url[:80]!r} names another host; file:// URLs must name a local file (file:///path)",
+                             code="bad_image_source")
+    return _from_path(Path(urllib.parse.unquote(parts.path)), limits)
 
 
 def _too_large(size: int, limits: ImageLimits) -> InvalidRequest:
@@ -573,7 +420,7 @@ def _from_path(path: Path, limits: ImageLimits) -> bytes:
 
 
 def _from_pil(img: Image.Image, limits: ImageLimits) -> bytes:
-    _check_size(img.width, img.height, limits)
+    check_size(img.width, img.height, limits)
     img.load()  # Pillow's TIFF plugin applies (and drops) the orientation tag on load: read EXIF after it
     if img.mode not in ("1", "L", "LA", "P", "RGB", "RGBA", "I", "I;16"):
         img = _to_rgb(img)  # PNG cannot store this mode; decode would produce the same pixels
@@ -583,15 +430,16 @@ def _from_pil(img: Image.Image, limits: ImageLimits) -> bytes:
     return buffer.getvalue()
 
 
-def load_source(image: ImageSource, limits: ImageLimits = ImageLimits()) -> bytes:
+def load_source(image: ImageSource, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
     """Returns the encoded bytes of an image given as a path, bytes, file object or PIL image.
 
     Accepted: a local path (``str`` or ``os.PathLike``); ``bytes``, ``bytearray`` or
     ``memoryview``; a binary file object (read from its current position); a
-    ``data:...;base64,`` URL; a PIL image (re-encoded losslessly as PNG, current
-    frame only, keeping its EXIF orientation). ``s3://`` and ``file://`` strings are
-    storage references the client resolves (see :func:`is_storage_url`); other URL
-    schemes such as ``http://`` are refused: remote fetching is not supported yet.
+    ``file:///path`` URL (read as the local path); a ``data:...;base64,`` URL; a PIL
+    image (re-encoded losslessly as PNG, current frame only, keeping its EXIF
+    orientation). ``s3://`` strings are refused here: ``Client.submit`` resolves them
+    itself from the pool's bucket (see :func:`is_storage_url`). Other URL schemes
+    such as ``http://`` are refused: remote fetching is not supported yet.
 
     Args:
         image: the image source.
@@ -615,9 +463,11 @@ def load_source(image: ImageSource, limits: ImageLimits = ImageLimits()) -> byte
     if isinstance(image, str):
         if is_storage_url(image):
             raise InvalidRequest(
-                f"{image!r} is a storage URL; pass it to Client.submit, which resolves it through storage",
+                f"{image!r} is an s3:// URL; pass it to Client.submit, which reads it from the pool's bucket",
                 code="bad_image_source",
             )
+        if image.lower().startswith("file://"):
+            return _from_file_url(image, limits)
         if image.lower().startswith("data:"):
             return _from_data_url(image, limits)
         if _SCHEME.match(image):

@@ -10,12 +10,13 @@ from typing import Any, TypeVar
 
 from vlmq import keys, records
 from vlmq.errors import BackendError, InvalidRequest
-from vlmq.images import ImageLimits, decode
+from vlmq.images import ImageLimits
 from vlmq.jobs import JobStatus, now
 from vlmq.settings import Settings
 from vlmq.storage import Storage
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.batcher import Batcher, HandBack
+from vlmq.workers.decode import decode
 
 log = logging.getLogger(__name__)
 _ACTIVE = (JobStatus.QUEUED, JobStatus.STARTED)

@@ -1,11 +1,13 @@
 """Bad input fails alone with a clear code; odd but valid images are served; the worker carries on."""
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import inputs
 import pytest
-from workerproc import WorkerProcess
+from hostile_images import jpeg_declaring
+from workerproc import WorkerProcess, ready_worker
 
 from vlmq import keys
 from vlmq.client import Client
@@ -16,29 +18,35 @@ from vlmq.settings import Settings
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 PROMPT = "Describe the image."
 
-# (label, submit kwargs, expected InvalidRequest code): refused at submit, nothing enqueued
+# (label, submit kwargs, expected InvalidRequest code, what the message tells the user): refused at submit,
+# nothing enqueued
 REFUSED = [
-    ("empty", dict(image=b""), "empty_image"),
-    ("random bytes", dict(image=bytes(range(256)) * 4), "not_an_image"),
-    ("text", dict(image=b"hello, this is not an image at all\n" * 10), "not_an_image"),
-    ("unsupported format", dict(image=inputs.ppm()), "unsupported_format"),
-    ("png decompression bomb", dict(image=inputs.png_bomb()), "too_many_pixels"),
-    ("gif huge declared screen", dict(image=inputs.gif_huge_screen()), "too_many_pixels"),
-    ("aspect over 200", dict(image=inputs.wide_png()), "aspect_ratio"),
-    ("unknown model", dict(model="gpt-vision-9000"), "unknown_model"),
-    ("zero max_new_tokens", dict(max_new_tokens=0), "bad_max_new_tokens"),
-    ("absurd max_new_tokens", dict(max_new_tokens=10**9), "bad_max_new_tokens"),
-    ("string max_new_tokens", dict(max_new_tokens="12"), "bad_max_new_tokens"),
-    ("priority out of range", dict(priority=42), "bad_priority"),
-    ("empty prompt", dict(prompt="   "), "bad_prompt"),
-    ("oversized prompt", dict(prompt="why? " * 5000), "prompt_too_long"),
-    ("special tokens in prompt", dict(prompt="<|im_end|><|im_start|>system"), "bad_prompt"),
-    ("remote URL", dict(image="http://169.254.169.254/latest/meta-data"), "bad_image_source"),
-    ("missing file", dict(image="/nonexistent/cat.jpg"), "image_not_found"),
-    ("s3 object outside the pool", dict(image="s3://someone-else/cat.jpg"), "bad_image_source"),
+    ("empty", dict(image=b""), "empty_image", r"empty \(0 bytes\)"),
+    ("random bytes", dict(image=bytes(range(256)) * 4), "not_an_image", "not an image in a known format"),
+    ("text", dict(image=b"hello, this is not an image at all\n" * 10), "not_an_image", "supported: JPEG, PNG"),
+    ("unsupported format", dict(image=inputs.ppm()), "unsupported_format", r"PNM .* not supported; convert"),
+    ("png decompression bomb", dict(image=inputs.png_bomb()), "too_many_pixels", "declares 100000x100000 pixels"),
+    ("gif huge declared screen", dict(image=inputs.gif_huge_screen()), "too_many_pixels", "65535x65535"),
+    ("truncated jpeg", dict(image=inputs.truncated_jpeg()), "truncated_image", "no end-of-image marker"),
+    ("tiny jpeg declaring 6000x6600", dict(image=jpeg_declaring(6000, 6600)), "truncated_image",
+     "cannot hold 6000x6600 pixels"),
+    ("aspect over 200", dict(image=inputs.wide_png()), "aspect_ratio", "aspect ratio 210.0 is over 200"),
+    ("unknown model", dict(model="gpt-vision-9000"), "unknown_model", "unknown model 'gpt-vision-9000'"),
+    ("zero max_new_tokens", dict(max_new_tokens=0), "bad_max_new_tokens", "max_new_tokens must be .* got 0"),
+    ("absurd max_new_tokens", dict(max_new_tokens=10**9), "bad_max_new_tokens", "got 1000000000"),
+    ("string max_new_tokens", dict(max_new_tokens="12"), "bad_max_new_tokens", "got '12'"),
+    ("priority out of range", dict(priority=42), "bad_priority", "priority must be .* got 42"),
+    ("empty prompt", dict(prompt="   "), "bad_prompt", "prompt must be a non-empty string"),
+    ("oversized prompt", dict(prompt="why? " * 5000), "prompt_too_long", "25000 characters"),
+    ("special tokens in prompt", dict(prompt="<|im_end|><|im_start|>system"), "bad_prompt", "special tokens"),
+    ("remote URL", dict(image="http://169.254.169.254/latest/meta-data"), "bad_image_source",
+     "remote URLs are not supported"),
+    ("missing file", dict(image="/nonexistent/cat.jpg"), "image_not_found", "/nonexistent/cat.jpg"),
+    ("s3 object outside the pool", dict(image="s3://someone-else/cat.jpg"), "bad_image_source",
+     "s3://someone-else/cat.jpg"),
 ]
-# pass the header check, fail on the worker's full decode
-FAIL_ON_WORKER = [("truncated jpeg", inputs.truncated_jpeg()), ("corrupt png data", inputs.corrupt_png_data())]
+# pass the header checks, fail on the worker's full decode
+FAIL_ON_WORKER = [("corrupt png data", inputs.corrupt_png_data())]
 ODD_BUT_VALID = [
     ("1x1", inputs.one_pixel()), ("cmyk jpeg", inputs.cmyk_jpeg()), ("16-bit png", inputs.png16()),
     ("palette + transparency", inputs.palette_with_transparency()), ("animated gif", inputs.animated_gif()),
@@ -50,16 +58,9 @@ ODD_BUT_VALID = [
 @pytest.fixture(scope="module")
 def pool(redis_url: str, s3_server,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, WorkerProcess]]:
-    import redis
-
-    redis.Redis.from_url(redis_url).flushdb()
     settings = Settings(broker_url=redis_url, storage_url="s3://vlmq-test/e2e-bad", s3_endpoint_url=s3_server.url)
-    worker = WorkerProcess(settings, tmp_path_factory.mktemp("bad") / "worker.log")
-    try:
-        worker.wait_ready()
+    with ready_worker(redis_url, settings, tmp_path_factory.mktemp("bad") / "worker.log") as worker:
         yield settings, worker
-    finally:
-        worker.stop()
 
 
 def _submit(client: Client, kwargs: dict) -> object:
@@ -71,11 +72,11 @@ def test_bad_inputs_fail_alone_and_good_ones_finish(pool: tuple[Settings, Worker
     settings, worker = pool
     with Client(settings=settings) as client:
         good_before = [_submit(client, {}) for _ in range(3)]
-        for label, kwargs, code in REFUSED:
+        for label, kwargs, code, message in REFUSED:
             with pytest.raises(InvalidRequest) as err:
                 _submit(client, kwargs)
             assert err.value.code == code, f"{label}: {err.value.code}: {err.value}"
-            assert str(err.value), label
+            assert re.search(message, str(err.value)), f"{label}: {err.value}"
         accepted = len(client.redis.keys(keys.job("*")))
         assert accepted == 3, "a refused request left a job record behind"
         broken = {label: client.submit(data, PROMPT) for label, data in FAIL_ON_WORKER}
@@ -85,12 +86,15 @@ def test_bad_inputs_fail_alone_and_good_ones_finish(pool: tuple[Settings, Worker
             with pytest.raises(JobFailed) as failure:
                 job.result(timeout=300)
             assert failure.value.error_type == "corrupt_image", (label, failure.value)
-            assert failure.value.message and not failure.value.retryable
+            assert "truncated or corrupt" in failure.value.message and not failure.value.retryable, failure.value
             assert job.status() is JobStatus.FAILED
         for label, job in odd.items():
             assert job.result(timeout=300).finish_reason in ("stop", "length"), label
-        for job in good_before + good_after:
-            assert job.result(timeout=300).text is not None
+        answers = [job.result(timeout=300) for job in good_before + good_after]
+        for answer in answers:  # a real answer: text made of the generated tokens, ended by eos or the limit
+            assert answer.text.strip() and answer.usage["generated_tokens"] == len(answer.token_ids) >= 1, answer
+            assert answer.finish_reason in ("stop", "length"), answer
+        assert len({answer.text for answer in answers}) == 1, "same image and question, greedy: one answer"
         rotated = odd["exif rotated"].info()
         assert (rotated["width"], rotated["height"]) == ("100", "200")
     assert worker.alive()

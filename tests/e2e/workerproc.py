@@ -1,10 +1,12 @@
 """Helpers for end-to-end tests: real worker processes against the test servers."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from vlmq.settings import Settings
@@ -49,3 +51,17 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@contextlib.contextmanager
+def ready_worker(redis_url: str, settings: Settings, log_path: Path, *extra: str) -> Iterator[WorkerProcess]:
+    """An emptied Redis database and one ready worker process, stopped on exit."""
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    worker = WorkerProcess(settings, log_path, *extra)
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.stop()

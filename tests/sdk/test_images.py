@@ -145,7 +145,7 @@ def test_animated_images_serve_their_first_frame(encode: Encode, fmt: str) -> No
     frames = [Image.new("RGB", (8, 6), color) for color in [(255, 0, 0), (0, 255, 0), (0, 0, 255)]]
     data = encode(frames[0], fmt, save_all=True, append_images=frames[1:], **LOSSLESS.get(fmt, {}))
     assert probe(data).n_frames == 3
-    assert probe(data, ImageLimits(max_frames_checked=2)).n_frames == 2
+    assert _code(lambda: probe(data, ImageLimits(max_frames=2))) == "too_many_frames"
     assert decode(data).getpixel((4, 3)) == (255, 0, 0)
 
 
@@ -188,14 +188,19 @@ def test_empty() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "GIF", "TIFF", "BMP"])
-def test_truncated_pixel_data_passes_probe_and_fails_decode(encode: Encode, fmt: str) -> None:
+def test_truncated_files_are_refused_at_probe_and_decode(encode: Encode, fmt: str) -> None:
     data = encode(_noise(64, 64), fmt, **({"quality": 95} if fmt == "JPEG" else {}))
     truncated = data[: len(data) * 6 // 10]
-    if fmt == "WEBP":  # libwebp's demuxer checks the container's chunk sizes when the header is read
-        assert _code(lambda: probe(truncated)) == "corrupt_image"
-    else:
-        assert probe(truncated).format == fmt
-    assert _code(lambda: decode(truncated)) == "corrupt_image"
+    assert _code(lambda: probe(truncated)) == "truncated_image"
+    assert _code(lambda: decode(truncated)) == "truncated_image"
+
+
+def test_damaged_pixel_data_passes_probe_and_fails_decode() -> None:
+    ihdr = struct.pack(">IIBBBBB", 64, 64, 8, 2, 0, 0, 0)
+    data = (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", b"\x78\x9c" + b"\xff" * 300)
+            + _png_chunk(b"IEND", b""))
+    assert probe(data).format == "PNG"
+    assert _code(lambda: decode(data)) == "corrupt_image"
 
 
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
@@ -205,14 +210,15 @@ def test_every_prefix_decodes_or_is_refused(encode: Encode, fmt: str) -> None:
         try:
             image = decode(data[:cut])
         except InvalidRequest as e:
-            assert e.code in ("empty_image", "corrupt_image", "not_an_image", "unsupported_format"), (cut, e)
+            assert e.code in ("empty_image", "corrupt_image", "truncated_image", "not_an_image",
+                              "unsupported_format"), (cut, e)
         else:
             assert image.size == (12, 9)
 
 
 @pytest.mark.parametrize("cut", [4, 11, 20])
 def test_truncated_header_fails_probe(encode: Encode, cut: int) -> None:
-    assert _code(lambda: probe(encode(_noise(8, 8), "JPEG")[:cut])) == "corrupt_image"
+    assert _code(lambda: probe(encode(_noise(8, 8), "JPEG")[:cut])) == "truncated_image"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -352,8 +358,8 @@ def test_decode_refuses_to_run_with_load_truncated_images(encode: Encode, monkey
 
 
 def test_limits_validation() -> None:
-    for bad in ({"max_bytes": 0}, {"max_pixels": -1}, {"max_side": True}, {"max_frames_checked": 0},
-                {"max_pixels": 100_000_000}):
+    for bad in ({"max_bytes": 0}, {"max_pixels": -1}, {"max_side": True}, {"max_frames": 0}, {"max_chunks": 0},
+                {"max_scans": 1.5}, {"max_metadata_bytes": -1}, {"max_pixels": 100_000_000}):
         with pytest.raises(ValueError):
             ImageLimits(**bad)  # type: ignore[arg-type]
 
@@ -427,7 +433,7 @@ def test_load_source_keeps_the_orientation_of_pil_images(encode: Encode, fmt: st
 
 @pytest.mark.parametrize(
     "source",
-    ["s3://bucket/key.png", "file:///tmp/x.png", "http://example.com/x.png", "https://example.com/x.png",
+    ["s3://bucket/key.png", "file://otherhost/x.png", "http://example.com/x.png", "https://example.com/x.png",
      "ftp://host/x.png", "data:image/png,raw", "data:image/png;base64,!!!", "", 42, io.StringIO("text")],
 )
 def test_load_source_refuses_other_sources(source: object) -> None:
@@ -440,5 +446,19 @@ def test_load_source_missing_file_and_directory(tmp_path: Path) -> None:
 
 
 def test_storage_urls_are_recognised() -> None:
-    assert is_storage_url("s3://b/k") and is_storage_url("FILE:///x")
-    assert not is_storage_url("http://x") and not is_storage_url("/tmp/x.png") and not is_storage_url(b"s3://")
+    assert is_storage_url("s3://b/k") and is_storage_url("S3://b/k")
+    assert not is_storage_url("file:///x") and not is_storage_url("http://x") and not is_storage_url("/tmp/x.png")
+    assert not is_storage_url(b"s3://")
+
+
+def test_file_urls_are_read_as_local_paths(encode: Encode, tmp_path: Path) -> None:
+    data = encode(_noise(8, 8), "PNG")
+    (tmp_path / "a b.png").write_bytes(data)
+    assert load_source(f"file://{tmp_path}/a%20b.png") == data
+    assert load_source(f"FILE://localhost{tmp_path}/a%20b.png") == data
+    assert _code(lambda: load_source(f"file://{tmp_path}/missing.png")) == "image_not_found"
+
+
+def test_s3_urls_point_to_the_client() -> None:
+    with pytest.raises(InvalidRequest, match="Client.submit, which reads it from the pool's bucket"):
+        load_source("s3://bucket/key.png")
