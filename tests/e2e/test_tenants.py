@@ -112,7 +112,8 @@ def test_each_tenants_jobs_finish_under_its_own_ids_keys_and_prefix(pool: Pool) 
                 assert result.job_id == job.id and result.worker == "tenants-worker"
                 assert job.info()["input_key"].startswith(f"t/{tenant}/inputs/")
                 assert client.storage.exists(f"t/{tenant}/results/{job.id}.json")
-    listed = pool.client("acme").storage.client.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}/t/")
+    with Client(settings=pool.settings) as operator:
+        listed = operator.storage.client.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}/t/")
     stored = {o["Key"] for o in listed["Contents"]}
     for tenant, own in jobs.items():
         assert {f"{PREFIX}/t/{tenant}/results/{job.id}.json" for job in own} <= stored
