@@ -1,4 +1,4 @@
-"""The ``vlmq`` command: demo, worker, cost, submit, status, result."""
+"""The ``vlmq`` command: demo, worker, cost, submit, status, result, acl."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +65,30 @@ def _result(args: argparse.Namespace) -> int:
     return 0
 
 
+def _acl(args: argparse.Namespace) -> int:
+    from vlmq.acl import describe, new_password
+    from vlmq.settings import Settings
+
+    try:
+        text = describe(args.tenant, args.password or new_password(), acl_file=args.acl_file,
+                        storage_url=Settings.from_env().storage_url)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+def _add_acl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("acl", help="print the Redis ACL user of a tenant or of the workers (docs/security.md)")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--tenant", help="a tenant id: its producers' user (and its object-store policy for s3://)")
+    who.add_argument("--worker", action="store_true", help="the workers' user")
+    p.add_argument("--password", help="the user's password (default: a new random one, printed in the command)")
+    p.add_argument("--acl-file", action="store_true", help="print an ACL file line instead of an ACL SETUSER command")
+    p.set_defaults(func=_acl)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlmq", description="Serve vision-language models from a queue.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=_result)
+    _add_acl(sub)
     return parser
 
 

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
@@ -53,22 +54,30 @@ class Client:
     Args:
         broker_url: Redis URL (queues and job records).
         storage_url: ``s3://bucket/prefix`` or ``file:///dir``.
-        settings: full settings; ``broker_url``/``storage_url`` override its fields.
+        settings: full settings; ``broker_url``/``storage_url``/``tenant`` override its fields.
+        tenant: this producer's tenant id (``VLMQ_TENANT``; ``[a-z0-9-]``, at most 32). Its jobs get ids
+            ``<tenant>.<hex>``, its idempotency keys and storage objects are its own (``t/<tenant>/``),
+            ``s3://`` inputs must lie under its prefix, and its handles reach only its own jobs. Pair it
+            with the tenant's Redis ACL user (``vlmq acl --tenant``) in ``broker_url``; see docs/security.md.
 
     Attributes:
         settings: the settings in use.
+        tenant: the tenant id, or None for an untenanted producer (which reaches every job).
         storage: the object store (inputs and results).
         store: the job store (records in Redis) that this client's ``Job`` handles read.
     """
 
     def __init__(self, broker_url: str | None = None, storage_url: str | None = None, *,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, tenant: str | None = None) -> None:
         base = settings or Settings()
-        overrides = {k: v for k, v in (("broker_url", broker_url), ("storage_url", storage_url)) if v}
+        overrides = {k: v for k, v in (("broker_url", broker_url), ("storage_url", storage_url),
+                                       ("tenant", tenant)) if v}
         self.settings = dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+        self.tenant: str | None = self.settings.tenant or None
         redis = redis_lib.Redis.from_url(self.settings.broker_url, socket_connect_timeout=3, socket_timeout=10)
         self.storage: Storage = open_storage(self.settings.storage_url, self.settings.s3_endpoint_url)
-        self.store = JobStore(redis, self.storage, self.settings.job_ttl, self.settings.broker_url)
+        self.store = JobStore(redis, self.storage, self.settings.job_ttl, _safe_url(self.settings.broker_url),
+                              tenant=self.tenant)
         self._celery = make_celery(self.settings, name="vlmq-producer")
         self._limits = ImageLimits(max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_image_pixels)
 
@@ -149,7 +158,7 @@ class Client:
         """Handle on an existing job.
 
         Raises:
-            JobNotFound: if there is no such job.
+            JobNotFound: if there is no such job, or it is another tenant's.
         """
         job = Job(self.store, job_id)
         job.info()
@@ -200,21 +209,29 @@ class Client:
 
     def _read_storage_uri(self, uri: str) -> bytes:
         try:
-            return self.storage.read_uri(uri, self._limits.max_bytes)
+            key = self.storage.key_of(uri)
+        except ValueError as e:
+            raise InvalidRequest(f"cannot read {uri}: {e}", code="bad_image_source") from e
+        if not key.startswith(keys.storage_prefix(self.tenant)):
+            raise InvalidRequest(f"{uri} is outside tenant {self.tenant!r}'s objects; a tenant's inputs must lie "
+                                 f"under {self.storage.url}/{keys.storage_prefix(self.tenant)}",
+                                 code="bad_image_source")
+        try:
+            return self.storage.get_capped(key, self._limits.max_bytes)
         except ObjectTooLarge as e:
             raise InvalidRequest(f"{uri}: {e}", code="image_too_large") from e
         except (ValueError, KeyError) as e:
             raise InvalidRequest(f"cannot read {uri}: {e}", code="bad_image_source") from e
 
     def _submit(self, items: list[_Prepared], wait_for_room: float) -> list[Job]:
-        job_ids = [new_job_id() for _ in items]
+        job_ids = [keys.tenant_job_id(self.tenant, new_job_id()) for _ in items]
         claimed: list[str] = []  # idempotency keys this call set: released if nothing gets enqueued
         try:
             fresh = self._claim_idempotency(items, job_ids, claimed)
             self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
         except BaseException:
             if claimed:
-                self.store.call(self.redis.delete, *(keys.idempotency(k) for k in claimed))
+                self.store.call(self.redis.delete, *(keys.idempotency(k, self.tenant) for k in claimed))
             raise
         for item in {items[i].sha256: items[i] for i in fresh}.values():  # one storage check per distinct image
             self._store_input(item)
@@ -245,8 +262,8 @@ class Client:
             InvalidRequest: ``idempotency_conflict``, the key is bound to a different request.
         """
         # SET NX GET: one atomic step that either binds the key or returns what it is bound to
-        stored: bytes | None = self.store.call(self.redis.set, keys.idempotency(key), f"{job_id} {fingerprint}",
-                                              nx=True, get=True, ex=self.settings.job_ttl)
+        stored: bytes | None = self.store.call(self.redis.set, keys.idempotency(key, self.tenant),
+                                              f"{job_id} {fingerprint}", nx=True, get=True, ex=self.settings.job_ttl)
         if stored is None:
             return None
         first_id, _, first_fingerprint = stored.decode().partition(" ")
@@ -257,7 +274,7 @@ class Client:
         return first_id
 
     def _store_input(self, item: _Prepared) -> None:
-        input_key = keys.input_object(item.sha256)
+        input_key = keys.input_object(item.sha256, self.tenant)
         if not self.storage.exists(input_key):
             self.storage.put(input_key, item.data)
 
@@ -266,7 +283,7 @@ class Client:
         return {
             "id": job_id, "status": JobStatus.QUEUED.value, "model": item.spec.name, "prompt": request.prompt,
             "max_new_tokens": request.max_new_tokens, "priority": request.priority,
-            "input_key": keys.input_object(item.sha256), "image_format": item.info.format,
+            "input_key": keys.input_object(item.sha256, self.tenant), "image_format": item.info.format,
             "width": item.info.width, "height": item.info.height, "vision_tokens": cost.vision_tokens,
             "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class, "queue": item.queue,
             "created_at": stamp, "queued_at": stamp, "idempotency_key": request.idempotency_key or "",
@@ -275,8 +292,10 @@ class Client:
 
     def _publish(self, job_id: str, item: _Prepared, producer: Any) -> None:
         try:
+            # declare=[]: publish is one LPUSH; workers declare the queues they consume, so producers need
+            # no write access to kombu's shared binding keys (see vlmq.acl)
             self._celery.send_task(TASK_NAME, args=[job_id], queue=item.queue, retry=False, producer=producer,
-                                   priority=item.request.priority)
+                                   priority=item.request.priority, declare=[])
         except Exception as e:  # kombu/redis raise many connection errors; the job must not look queued
             self.store.transition(job_id, [JobStatus.QUEUED], JobStatus.FAILED,
                                  {"error_type": "backend_error", "error_message": f"publish failed: {e}"})
@@ -299,3 +318,12 @@ class Client:
                     raise QueueFull(f"queue {queue} holds {depth} jobs, its limit is {limit} (VLMQ_MAX_QUEUE_DEPTH)"
                                     f" and this submit adds {count}; retry later or pass wait_for_room=seconds")
                 time.sleep(0.05)
+
+
+def _safe_url(url: str) -> str:
+    """A broker URL for error messages: any password replaced by ``***``."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

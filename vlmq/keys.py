@@ -1,7 +1,40 @@
-"""Every Redis key vlmq uses, under one prefix."""
+"""Every Redis key and storage object name vlmq uses, under one prefix; job ids and tenants.
+
+A job id is ``<32 hex>``, or ``<tenant>.<32 hex>`` for a tenant's job (:data:`JOB_ID_RE`). Every per-job
+key and object name is derived from the job id, so a tenant's keys and objects are scoped by
+construction: Redis ACL patterns (see ``vlmq.acl``) and object-store policies select them by prefix.
+"""
 from __future__ import annotations
 
+import re
+
 PREFIX = "vlmq:"
+TENANT_RE = r"[a-z0-9][a-z0-9-]{0,31}"
+JOB_ID_RE = rf"(?:{TENANT_RE}\.)?[0-9a-f]{{32}}"
+_TENANT = re.compile(TENANT_RE)
+
+
+def check_tenant(tenant: str) -> str:
+    """``tenant`` if it is a valid tenant id: 1 to 32 of ``[a-z0-9-]``, starting with a letter or digit.
+
+    Raises:
+        ValueError: any other string.
+    """
+    if not isinstance(tenant, str) or not _TENANT.fullmatch(tenant):
+        raise ValueError(f"a tenant id is 1 to 32 characters of a-z, 0-9 and '-', starting with a letter or "
+                         f"digit; got {tenant!r}")
+    return tenant
+
+
+def tenant_job_id(tenant: str | None, base: str) -> str:
+    """The job id of a new job: ``<tenant>.<base>``, or ``base`` without a tenant."""
+    return f"{tenant}.{base}" if tenant else base
+
+
+def tenant_of(job_id: str) -> str | None:
+    """The tenant a job id belongs to (``acme`` for ``acme.<hex>``), or None for an untenanted id."""
+    head, sep, _ = job_id.partition(".")
+    return head if sep and _TENANT.fullmatch(head) else None
 
 
 def job(job_id: str) -> str:
@@ -9,9 +42,12 @@ def job(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}"
 
 
-def idempotency(key: str) -> str:
-    """String holding the job id submitted under an idempotency key."""
-    return f"{PREFIX}idem:{key}"
+def idempotency(key: str, tenant: str | None = None) -> str:
+    """String holding the job id (and request fingerprint) submitted under an idempotency key.
+
+    A tenant's keys are its own: ``vlmq:idem:<tenant>.<key>``.
+    """
+    return f"{PREFIX}idem:{tenant_job_id(tenant, key)}"
 
 
 def done(job_id: str) -> str:
@@ -39,11 +75,51 @@ def queue_lists(queue_name: str) -> list[str]:
     return [queue_name] + [f"{queue_name}:{p}" for p in range(1, 10)]
 
 
-def input_object(sha256: str) -> str:
-    """Storage key of a content-addressed input image."""
-    return f"inputs/{sha256}"
+def tenant_key_patterns(tenant: str) -> list[str]:
+    """Glob patterns of every Redis key a tenant's producers read and write (its ACL, ``vlmq.acl``).
+
+    ``.`` cannot occur in a tenant id, so ``acme.*`` never matches another tenant's ``acme-2.<hex>``.
+    """
+    ids = tenant_job_id(check_tenant(tenant), "*")
+    return [job(ids), done(ids), canceled(ids), idempotency("*", tenant)]
+
+
+def queue_pattern() -> str:
+    """Glob pattern of every queue list (all models, classes and priority steps)."""
+    return queue("*", "*")
+
+
+def worker_key_patterns() -> list[str]:
+    """Glob patterns of every Redis key a worker touches: vlmq's own, the queue lists, and kombu's.
+
+    kombu (Redis transport): ``unacked``, ``unacked_index`` and ``unacked_mutex`` (messages delivered and
+    not acked, shared by every queue), ``_kombu.binding*`` (exchange bindings) and each worker's
+    ``<name>.celery.pidbox`` lists (remote control).
+    """
+    return [f"{PREFIX}*", queue_pattern(), "_kombu.*", "unacked", "unacked_index", "unacked_mutex",
+            "*.celery.pidbox*"]
+
+
+def storage_prefix(tenant: str | None) -> str:
+    """Where a tenant's objects live in the pool's storage: ``t/<tenant>/`` (nothing without a tenant)."""
+    return f"t/{tenant}/" if tenant else ""
+
+
+def input_object(sha256: str, tenant: str | None = None) -> str:
+    """Storage key of a content-addressed input image (per tenant: ``t/<tenant>/inputs/<sha256>``)."""
+    return f"{storage_prefix(tenant)}inputs/{sha256}"
+
+
+def input_key_allowed(job_id: str, key: str) -> bool:
+    """Whether a job may read ``key`` as its input: an ``inputs/<sha256>`` object of the job's own tenant.
+
+    Workers check it before reading a record's ``input_key``, so a forged record cannot make a worker
+    serve another tenant's image.
+    """
+    pattern = re.escape(input_object("", tenant_of(job_id))) + "[0-9a-f]{64}"
+    return isinstance(key, str) and re.fullmatch(pattern, key) is not None
 
 
 def result_object(job_id: str) -> str:
-    """Storage key of a job's result JSON."""
-    return f"results/{job_id}.json"
+    """Storage key of a job's result JSON (a tenant's job: ``t/<tenant>/results/<job_id>.json``)."""
+    return f"{storage_prefix(tenant_of(job_id))}results/{job_id}.json"

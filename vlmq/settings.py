@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmq.keys import check_tenant
+
 BACKENDS = ("engine", "hf")  # worker backends; the first is the default
 DEFAULT_COST_CLASSES = "xs=256,s=1024,m=4096,l=16384,xl"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
@@ -105,6 +107,8 @@ class Settings:
     max_prompt_chars: int = _setting(8000, PRODUCER, "longest prompt accepted, in characters")
     max_queue_depth: str = _setting("0", PRODUCER, "waiting jobs allowed per class, `N` or `xs=N,s=M`; a submit "
                                     "that would pass it raises `QueueFull`", shown="`0` (no limit)")
+    tenant: str = _setting("", PRODUCER, "tenant id (`[a-z0-9-]`, at most 32): scopes this producer's job ids, "
+                           "keys and storage prefix (see docs/security.md)", shown="none (untenanted)")
     # -- read by workers -----------------------------------------------------------------------
     visibility_timeout: int = _setting(300, WORKER, "seconds before a dead worker's messages are delivered "
                                        "again (live workers renew theirs)")
@@ -135,6 +139,11 @@ class Settings:
         if self.shutdown_grace < 0 or self.storage_retry < 0:
             raise ValueError("shutdown_grace and storage_retry must not be negative")
         self.queue_depth_limit("xs")  # validates the format
+        if self.tenant:
+            try:
+                check_tenant(self.tenant)
+            except ValueError as e:
+                raise ValueError(f"tenant (VLMQ_TENANT): {e}") from None
 
     def queue_depth_limit(self, cost_class: str) -> int:
         """Most jobs allowed to wait in one class queue (0 = no limit)."""

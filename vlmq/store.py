@@ -123,27 +123,47 @@ def read(redis: Any, job_id: str) -> dict[str, str]:
 class JobStore:
     """Job records in Redis and results in object storage, for producers and ``Job`` handles.
 
-    Every Redis failure surfaces as ``BackendError``.
+    Every Redis failure surfaces as ``BackendError``. A tenant's store sees only that tenant's jobs:
+    any other job id raises ``JobNotFound`` before Redis is asked (and the tenant's Redis ACL refuses
+    it anyway, which surfaces as ``BackendError``).
 
     Args:
         redis: a Redis client (``redis.Redis``).
         storage: where workers write results.
         job_ttl: seconds a record, cancel flag or idempotency key is kept (``VLMQ_JOB_TTL``).
         where: the broker URL, named in error messages.
+        tenant: the tenant whose jobs this store reaches (None: every job).
     """
 
-    def __init__(self, redis: Any, storage: Storage, job_ttl: int, where: str = "Redis") -> None:
+    def __init__(self, redis: Any, storage: Storage, job_ttl: int, where: str = "Redis",
+                 tenant: str | None = None) -> None:
         self.redis = redis
         self.storage = storage
         self.job_ttl = job_ttl
+        self.tenant = tenant
         self._where = where
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one Redis call; a Redis failure becomes ``BackendError``."""
         try:
             return fn(*args, **kwargs)
+        except redis_lib.exceptions.NoPermissionError as e:
+            raise BackendError(f"Redis at {self._where} refused: {e}. These credentials may not touch this key; "
+                               "a tenant's credentials reach only its own jobs (Client(tenant=...), "
+                               "VLMQ_TENANT)") from e
         except redis_lib.RedisError as e:
             raise BackendError(f"Redis at {self._where} failed: {e}") from e
+
+    def own(self, job_id: str) -> str:
+        """``job_id`` if this store may reach it.
+
+        Raises:
+            JobNotFound: a tenant's store given another tenant's (or an untenanted) job id.
+        """
+        if self.tenant is not None and keys.tenant_of(job_id) != self.tenant:
+            raise JobNotFound(f"no job {job_id!r} for tenant {self.tenant!r}; a tenant sees only its own jobs, "
+                              f"whose ids start with {self.tenant + '.'!r}")
+        return job_id
 
     def create(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Write new job records (each with an ``id``), with the record TTL, in one round trip."""
@@ -159,7 +179,7 @@ class JobStore:
         Raises:
             JobNotFound: no such job (never submitted, or its record expired).
         """
-        record = self.call(read, self.redis, job_id)
+        record = self.call(read, self.redis, self.own(job_id))
         if not record:
             raise JobNotFound(f"no job {job_id!r} (never submitted, or its record expired)")
         return record
@@ -167,7 +187,7 @@ class JobStore:
     def transition(self, job_id: str, allowed: Iterable[JobStatus], new: JobStatus,
                    fields: Mapping[str, object] | None = None) -> tuple[bool, str | None]:
         """:func:`transition` that also refreshes the record's TTL."""
-        return self.call(transition, self.redis, job_id, allowed, new, fields, self.job_ttl)
+        return self.call(transition, self.redis, self.own(job_id), allowed, new, fields, self.job_ttl)
 
     def wait_done(self, job_id: str, timeout: float) -> None:
         """Block until the job's done list has an entry, or ``timeout`` seconds pass.
@@ -175,7 +195,7 @@ class JobStore:
         The list is rotated onto itself (``BLMOVE`` with one key), so it keeps its entry and its TTL
         for other waiters.
         """
-        done = keys.done(job_id)
+        done = keys.done(self.own(job_id))
         self.call(self.redis.blmove, done, done, max(timeout, 0.01), "LEFT", "RIGHT")
 
     def cancel(self, job_id: str) -> bool:
@@ -187,7 +207,7 @@ class JobStore:
         Raises:
             JobNotFound: no such job.
         """
-        changed, previous = self.call(transition, self.redis, job_id, [JobStatus.QUEUED, JobStatus.STARTED],
+        changed, previous = self.call(transition, self.redis, self.own(job_id), [JobStatus.QUEUED, JobStatus.STARTED],
                                       JobStatus.CANCELED, None, self.job_ttl, keys.canceled(job_id))
         if previous is None:
             raise JobNotFound(f"no job {job_id!r}")
@@ -200,6 +220,6 @@ class JobStore:
             BackendError: the result object is missing or storage failed.
         """
         try:
-            return self.storage.get(keys.result_object(job_id))
+            return self.storage.get(keys.result_object(self.own(job_id)))
         except KeyError as e:
             raise BackendError(f"job {job_id} is finished but its result object is missing") from e

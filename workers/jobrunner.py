@@ -83,6 +83,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     t0 = time.monotonic()
     if record["model"] != ctx.model:
         raise JobError("wrong_model", f"job is for model {record['model']!r}; this worker serves {ctx.model!r}")
+    if not keys.input_key_allowed(job_id, record["input_key"]):  # a forged record naming another tenant's input
+        raise JobError("bad_input_key", f"input_key {record['input_key']!r} is not an input of job {job_id}")
     try:
         data = with_storage_retry(ctx, lambda: ctx.storage.get(record["input_key"]))
     except KeyError:
