@@ -62,12 +62,13 @@ def test_image_sources_path_file_object_pil_and_s3_uri(client: Client, tmp_path:
     path = tmp_path / "img.png"
     path.write_bytes(png(50, 50))
     jobs = [client.submit(path, "Describe the image."), client.submit(str(path), "Describe the image."),
-            client.submit(Image.new("RGB", (60, 40)), "Describe the image.")]
+            client.submit(Image.new("RGB", (60, 40)), "Describe the image."),
+            client.submit(f"file://{path}", "Describe the image.")]  # a file:// URL is a local path
     assert all(j.status() is JobStatus.QUEUED for j in jobs)
-    for outside in ("s3://elsewhere/img.png", f"file://{tmp_path}/img.png"):
-        with pytest.raises(InvalidRequest) as err:
-            client.submit(outside, "Describe the image.")
-        assert err.value.code == "bad_image_source" and "not in this pool's storage" in str(err.value)
+    assert jobs[3].info()["input_key"] == jobs[0].info()["input_key"]
+    with pytest.raises(InvalidRequest) as err:
+        client.submit("s3://elsewhere/img.png", "Describe the image.")
+    assert err.value.code == "bad_image_source" and "not in this pool's storage" in str(err.value)
 
 
 def test_a_uri_in_the_pools_storage_is_read_through_storage_with_the_byte_cap(client: Client) -> None:

@@ -144,7 +144,17 @@ def test_a_tenants_client_refuses_other_job_ids_before_asking_redis(tenant_clien
     assert untenanted.tenant is None
 
 
-def test_a_tenants_storage_uris_must_lie_under_its_prefix(tenant_client: Client) -> None:
+def test_a_tenants_storage_uris_must_lie_under_its_prefix(redis_client: Any, redis_url: str,
+                                                          s3_storage_url: str, s3_server: Any) -> None:
+    # s3:// URIs are read with the pool's credentials, so the prefix check is what keeps tenants apart
+    # (a file:// URL is a local path the producer could read itself)
+    settings = Settings(broker_url=redis_url, storage_url=s3_storage_url, s3_endpoint_url=s3_server.url,
+                        tenant="acme")
+    with Client(settings=settings) as tenant_client:
+        _submit_outside_the_prefix(tenant_client)
+
+
+def _submit_outside_the_prefix(tenant_client: Client) -> None:
     root = tenant_client.storage.url
     tenant_client.storage.put("t/acme/uploads/a.png", png())
     tenant_client.storage.put("t/bob/uploads/b.png", png())
