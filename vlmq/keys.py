@@ -1,7 +1,15 @@
-"""Every Redis key vlmq uses, under one prefix."""
+"""Every Redis key vlmq uses, under one prefix, and the names of kombu's keys that vlmq reads or writes.
+
+kombu's Redis transport owns the queue lists and the unacked structures; their names are spelled here
+only (``vlmq.workers.broker`` checks at start-up that kombu still uses them).
+"""
 from __future__ import annotations
 
 PREFIX = "vlmq:"
+PRIORITY_SEP = ":"  # kombu's ``sep`` transport option: priority p > 0 of queue q lives in the list ``q:p``
+PRIORITY_STEPS = tuple(range(10))  # kombu's ``priority_steps``: 0 (highest) to 9, one list each
+UNACKED = "unacked"  # kombu: hash delivery_tag -> [message, exchange, routing_key] of every delivered message
+UNACKED_INDEX = "unacked_index"  # kombu: sorted set delivery_tag -> delivery time; leases refresh the score
 
 
 def job(job_id: str) -> str:
@@ -34,9 +42,27 @@ def queue(model: str, cost_class: str) -> str:
     return f"vlmq.{model}.{cost_class}"
 
 
+def priority_list(queue_name: str, priority: int) -> str:
+    """kombu's Redis list for one priority step of a queue (0 is the bare queue name)."""
+    return f"{queue_name}{PRIORITY_SEP}{priority}" if priority else queue_name
+
+
 def queue_lists(queue_name: str) -> list[str]:
     """The Redis lists behind one Celery queue: one per priority step (0 = the bare name)."""
-    return [queue_name] + [f"{queue_name}:{p}" for p in range(1, 10)]
+    return [priority_list(queue_name, p) for p in PRIORITY_STEPS]
+
+
+def dead_letter(queue_name: str) -> str:
+    """List of messages the worker's gate refused from one queue (reason + raw bytes); bounded, with a TTL.
+
+    Written by the gate (``vlmq.workers.gate``); read by operators.
+    """
+    return f"{PREFIX}dead:{queue_name}"
+
+
+def idle_wait(token: str) -> str:
+    """A list nobody writes: an idle worker's ``BLPOP`` on it is a short server-side sleep between pops."""
+    return f"{PREFIX}idle-wait:{token}"
 
 
 def input_object(sha256: str) -> str:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from vlmq import keys
 from vlmq.settings import Settings
 
 TASK_NAME = "vlmq.run_job"
-PRIORITY_STEPS = list(range(10))  # 0 is the highest priority (Celery on Redis)
+PRIORITY_STEPS = list(keys.PRIORITY_STEPS)  # 0 is the highest priority (Celery on Redis)
 DEFAULT_PRIORITY = 5
 
 
@@ -26,7 +27,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     restore_interval = max(1, min(10, visibility_timeout // 4))
     transport = {
         "priority_steps": PRIORITY_STEPS,
-        "sep": ":",
+        "sep": keys.PRIORITY_SEP,
         "queue_order_strategy": "priority",
         "visibility_timeout": visibility_timeout,
         "unacked_restore_interval": restore_interval,

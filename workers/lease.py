@@ -10,18 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
+from vlmq.workers import broker
+
 log = logging.getLogger(__name__)
-UNACKED_INDEX = "unacked_index"
-
-
-def held_delivery_tags() -> list[str]:
-    from celery.worker import state
-
-    requests = list(state.reserved_requests) + list(state.active_requests)
-    return list({r.message.delivery_tag for r in requests if r.message is not None})
 
 
 class LeaseRenewer:
@@ -38,9 +31,8 @@ class LeaseRenewer:
         self._stop.set()
 
     def renew(self) -> int:
-        tags = held_delivery_tags()
-        if tags:
-            self.redis.zadd(UNACKED_INDEX, {tag: time.time() for tag in tags}, xx=True)
+        tags = broker.held_delivery_tags()
+        broker.renew_leases(self.redis, tags)
         return len(tags)
 
     def _run(self) -> None:
