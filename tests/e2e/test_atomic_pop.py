@@ -20,7 +20,7 @@ from vlmq.queue import TASK_NAME, make_celery
 from vlmq.settings import Settings
 from vlmq.workers.broker import MAX_MESSAGE_BYTES, pop_command
 
-QUEUE = "vlmq.atomic-pop-test.xs"
+QUEUE = keys.queue("atomic-pop-test", "xs")
 
 
 @pytest.fixture()
