@@ -1,8 +1,10 @@
 """Celery configuration shared by producers (the SDK) and workers.
 
 Messages are JSON (msgpack also accepted); pickle is never accepted. The
-reliability settings follow ../shared/notes/queue.md: late acks, reject on
-worker lost, no prefetch.
+reliability settings: late acks (a message is acked only after its job's
+status is durable), reject on worker lost (a crashed pool requeues instead of
+acking), no prefetch (a worker holds only what it works on; see
+``vlmq.workers.costgate``).
 """
 from __future__ import annotations
 
