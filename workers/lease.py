@@ -21,14 +21,11 @@ class LeaseRenewer:
     def __init__(self, redis: Any, visibility_timeout: int) -> None:
         self.redis = redis
         self.period = max(0.5, visibility_timeout / 4)
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # never set: the daemon thread ends with the worker process
         self._thread = threading.Thread(target=self._run, name="vlmq-lease", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def renew(self) -> int:
         tags = broker.held_delivery_tags()
