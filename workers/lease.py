@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from vlmq.workers import broker
@@ -21,7 +22,6 @@ class LeaseRenewer:
     def __init__(self, redis: Any, visibility_timeout: int) -> None:
         self.redis = redis
         self.period = max(0.5, visibility_timeout / 4)
-        self._stop = threading.Event()  # never set: the daemon thread ends with the worker process
         self._thread = threading.Thread(target=self._run, name="vlmq-lease", daemon=True)
 
     def start(self) -> None:
@@ -33,7 +33,8 @@ class LeaseRenewer:
         return len(tags)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        while True:  # a daemon thread: it ends with the worker process
+            time.sleep(self.period)
             try:
                 self.renew()
             except Exception:  # Redis blips must not kill the thread; the next period retries
