@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
-from vlmq import keys
+from vlmq import keys, rules
 from vlmq.cost import CostEstimate, estimate
 from vlmq.errors import BackendError, InvalidRequest, QueueFull
 from vlmq.images import ImageInfo, ImageLimits, ImageSource, is_storage_url, load_source, probe
@@ -176,26 +176,11 @@ class Client:
 
     def _check_params(self, prompt: str, model: str, max_new_tokens: int, priority: int,
                       idempotency_key: str | None) -> ModelSpec:
-        s = self.settings
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise InvalidRequest("prompt must be a non-empty string", code="bad_prompt")
-        if len(prompt) > s.max_prompt_chars:
-            raise InvalidRequest(f"prompt has {len(prompt)} characters; the limit is {s.max_prompt_chars} "
-                                 "(VLMQ_MAX_PROMPT_CHARS)", code="prompt_too_long")
-        if "<|" in prompt:
-            raise InvalidRequest("prompt must not contain special tokens such as <|image_pad|>", code="bad_prompt")
-        if type(max_new_tokens) is not int or not 1 <= max_new_tokens <= s.max_new_tokens:
-            raise InvalidRequest(f"max_new_tokens must be an integer from 1 to {s.max_new_tokens}, "
-                                 f"got {max_new_tokens!r}", code="bad_max_new_tokens")
-        if type(priority) is not int or not 0 <= priority <= 9:
-            raise InvalidRequest(f"priority must be an integer from 0 (highest) to 9, got {priority!r}",
-                                 code="bad_priority")
-        if idempotency_key is not None and (not isinstance(idempotency_key, str)
-                                            or not 1 <= len(idempotency_key) <= 200):
-            raise InvalidRequest("idempotency_key must be a string of 1 to 200 characters", code="bad_idempotency_key")
-        if not isinstance(model, str):
-            raise InvalidRequest("model must be a string", code="unknown_model")
-        return resolve_model(model, s)
+        # the same rules the worker applies to every record it is handed (vlmq.rules)
+        rules.check_params(prompt, max_new_tokens, priority, idempotency_key, model,
+                           max_prompt_chars=self.settings.max_prompt_chars,
+                           max_new_tokens_limit=self.settings.max_new_tokens)
+        return resolve_model(model, self.settings)
 
     def _prepare(self, request: JobRequest) -> _Prepared:
         spec = self._check_params(request.prompt, request.model, request.max_new_tokens, request.priority,

@@ -3,12 +3,19 @@
 A job id is ``<32 hex>``, or ``<tenant>.<32 hex>`` for a tenant's job (:data:`JOB_ID_RE`). Every per-job
 key and object name is derived from the job id, so a tenant's keys and objects are scoped by
 construction: Redis ACL patterns (see ``vlmq.acl``) and object-store policies select them by prefix.
+
+kombu's Redis transport owns the queue lists and the unacked structures; their names are spelled here
+only (``vlmq.workers.broker`` checks at start-up that kombu still uses them).
 """
 from __future__ import annotations
 
 import re
 
 PREFIX = "vlmq:"
+PRIORITY_SEP = ":"  # kombu's ``sep`` transport option: priority p > 0 of queue q lives in the list ``q:p``
+PRIORITY_STEPS = tuple(range(10))  # kombu's ``priority_steps``: 0 (highest) to 9, one list each
+UNACKED = "unacked"  # kombu: hash delivery_tag -> [message, exchange, routing_key] of every delivered message
+UNACKED_INDEX = "unacked_index"  # kombu: sorted set delivery_tag -> delivery time; leases refresh the score
 TENANT_RE = r"[a-z0-9][a-z0-9-]{0,31}"
 JOB_ID_RE = rf"(?:{TENANT_RE}\.)?[0-9a-f]{{32}}"
 _TENANT = re.compile(TENANT_RE)
@@ -70,9 +77,27 @@ def queue(model: str, cost_class: str) -> str:
     return f"vlmq.{model}.{cost_class}"
 
 
+def priority_list(queue_name: str, priority: int) -> str:
+    """kombu's Redis list for one priority step of a queue (0 is the bare queue name)."""
+    return f"{queue_name}{PRIORITY_SEP}{priority}" if priority else queue_name
+
+
 def queue_lists(queue_name: str) -> list[str]:
     """The Redis lists behind one Celery queue: one per priority step (0 = the bare name)."""
-    return [queue_name] + [f"{queue_name}:{p}" for p in range(1, 10)]
+    return [priority_list(queue_name, p) for p in PRIORITY_STEPS]
+
+
+def dead_letter(queue_name: str) -> str:
+    """List of messages the worker's gate refused from one queue (reason + raw bytes); bounded, with a TTL.
+
+    Written by the gate (``vlmq.workers.gate``); read by operators.
+    """
+    return f"{PREFIX}dead:{queue_name}"
+
+
+def idle_wait(token: str) -> str:
+    """A list nobody writes: an idle worker's ``BLPOP`` on it is a short server-side sleep between pops."""
+    return f"{PREFIX}idle-wait:{token}"
 
 
 def tenant_key_patterns(tenant: str) -> list[str]:
@@ -96,7 +121,7 @@ def worker_key_patterns() -> list[str]:
     not acked, shared by every queue), ``_kombu.binding*`` (exchange bindings) and each worker's
     ``<name>.celery.pidbox`` lists (remote control).
     """
-    return [f"{PREFIX}*", queue_pattern(), "_kombu.*", "unacked", "unacked_index", "unacked_mutex",
+    return [f"{PREFIX}*", queue_pattern(), "_kombu.*", UNACKED, UNACKED_INDEX, f"{UNACKED}_mutex",
             "*.celery.pidbox*"]
 
 

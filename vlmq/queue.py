@@ -1,17 +1,20 @@
 """Celery configuration shared by producers (the SDK) and workers.
 
 Messages are JSON (msgpack also accepted); pickle is never accepted. The
-reliability settings follow ../shared/notes/queue.md: late acks, reject on
-worker lost, no prefetch.
+reliability settings: late acks (a message is acked only after its job's
+status is durable), reject on worker lost (a crashed pool requeues instead of
+acking), no prefetch (a worker holds only what it works on; see
+``vlmq.workers.costgate``).
 """
 from __future__ import annotations
 
 from typing import Any
 
+from vlmq import keys
 from vlmq.settings import Settings
 
 TASK_NAME = "vlmq.run_job"
-PRIORITY_STEPS = list(range(10))  # 0 is the highest priority (Celery on Redis)
+PRIORITY_STEPS = list(keys.PRIORITY_STEPS)  # 0 is the highest priority (Celery on Redis)
 DEFAULT_PRIORITY = 5
 
 
@@ -26,7 +29,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     restore_interval = max(1, min(10, visibility_timeout // 4))
     transport = {
         "priority_steps": PRIORITY_STEPS,
-        "sep": ":",
+        "sep": keys.PRIORITY_SEP,
         "queue_order_strategy": "priority",
         "visibility_timeout": visibility_timeout,
         "unacked_restore_interval": restore_interval,

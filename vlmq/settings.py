@@ -94,7 +94,10 @@ class Settings:
                                       shown="only the bundled `tiny-shapes`", parse=parse_models,
                                       to_text=_format_models)
     cost_classes: str = _setting(DEFAULT_COST_CLASSES, BOTH, "cost classes as bounds on vision tokens")
-    text_token_bound: int = _setting(2048, BOTH, "text tokens (prompt + answer) counted in every class cost")
+    text_token_bound: int = _setting(2048, BOTH, "text tokens (prompt + answer) a job may use: counted in every "
+                                     "class cost, enforced by workers")
+    max_new_tokens: int = _setting(1024, BOTH, "largest `max_new_tokens` a job may ask for (workers re-check it)")
+    max_prompt_chars: int = _setting(8000, BOTH, "longest prompt accepted, in characters (workers re-check it)")
     max_image_bytes: int = _setting(20 * 1024 * 1024, BOTH, "largest image accepted, in bytes",
                                     shown="20 MiB")
     max_image_pixels: int = _setting(40_000_000, BOTH, "largest declared image size, in pixels",
@@ -103,8 +106,6 @@ class Settings:
                             "kept: from submit, and a record again from the job's end",
                             shown="604800 (7 days)")
     # -- read by producers (the SDK) -----------------------------------------------------------
-    max_new_tokens: int = _setting(1024, PRODUCER, "largest `max_new_tokens` a job may ask for")
-    max_prompt_chars: int = _setting(8000, PRODUCER, "longest prompt accepted, in characters")
     max_queue_depth: str = _setting("0", PRODUCER, "waiting jobs allowed per class, `N` or `xs=N,s=M`; a submit "
                                     "that would pass it raises `QueueFull`", shown="`0` (no limit)")
     tenant: str = _setting("", PRODUCER, "tenant id (`[a-z0-9-]`, at most 32): scopes this producer's job ids, "

@@ -1,4 +1,4 @@
-"""The worker's Celery app: the vlmq task plus the cost gate."""
+"""The worker's Celery app: the vlmq task plus the cost gate and the message gate."""
 from __future__ import annotations
 
 import logging
@@ -7,13 +7,14 @@ from typing import Any
 from vlmq.queue import TASK_NAME, make_celery
 from vlmq.settings import Settings
 from vlmq.workers.batcher import HandBack
-from vlmq.workers.costgate import CostBudget, CostGate
+from vlmq.workers.costgate import CostBudget, cost_gate_step
+from vlmq.workers.gate import Gate
 from vlmq.workers.jobrunner import WorkerContext, hand_back, run_job
 
 log = logging.getLogger(__name__)
 
 
-def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget) -> Any:
+def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget, gate: Gate | None = None) -> Any:
     from celery.exceptions import Reject
     from kombu import Queue
 
@@ -21,8 +22,7 @@ def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget) 
     app.conf.task_queues = [Queue(q, routing_key=q) for q in budget.queue_costs]
     app.conf.worker_concurrency = budget.max_jobs
     app.conf.worker_pool = "threads"
-    app.vlmq_budget = budget
-    app.steps["consumer"].add(CostGate)
+    app.steps["consumer"].add(cost_gate_step(budget, gate or Gate()))
     _hand_back_on_shutdown(settings, ctx)
 
     @app.task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)

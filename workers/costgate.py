@@ -2,20 +2,21 @@
 
 Celery with ``worker_disable_prefetch`` stops fetching when the pool is full;
 this goes further. It sums the class cost bounds of the messages the worker
-holds and pops (atomically, see ``redispop``) only from the queues whose bound
+holds and pops (atomically, see ``broker``) only from the queues whose bound
 fits the rest of the budget. Messages that do not fit are never popped: they stay in
 Redis, visible to other workers and to queue-length autoscalers.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
-from types import MethodType
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from celery import bootsteps
 
-from vlmq.workers import redispop
+from vlmq.models import ModelSpec, class_cost, cost_classes
+from vlmq.settings import Settings
+from vlmq.workers import broker
 
 log = logging.getLogger(__name__)
 
@@ -42,37 +43,31 @@ class CostBudget:
         return {q for q, c in self.queue_costs.items() if c <= room}
 
 
-def _held_queues() -> list[str]:
-    from celery.worker import state
+def explain_class_cost(spec: ModelSpec, cost_class: str, settings: Settings) -> str:
+    """What one job of a class costs this worker, in tokens, and why (for the start-up log)."""
+    bound = cost_classes(settings).bound(cost_class)
+    factor = spec.policy.patch_size * spec.policy.merge_size
+    model_max = spec.policy.max_pixels // (factor * factor)
+    if bound is None:
+        vision = f"{model_max} vision (the largest image {spec.name} accepts; the class has no upper bound)"
+    elif bound > model_max:
+        vision = f"{bound} vision (the class bound; no {spec.name} image exceeds {model_max})"
+    else:
+        vision = f"{bound} vision (the class bound)"
+    total = class_cost(spec, cost_class, settings)
+    return f"class {cost_class} costs {total} tokens = {vision} + {settings.text_token_bound} text " \
+           "(VLMQ_TEXT_TOKEN_BOUND)"
 
-    return [(r.delivery_info or {}).get("routing_key", "") for r in list(state.reserved_requests)]
 
+def cost_gate_step(budget: CostBudget, gate: broker.MessageGate) -> type[bootsteps.StartStopStep]:
+    """A consumer bootstep (after Celery's Tasks step) installing the cost gate and the message gate."""
 
-def _gated_keys(fitting: Callable[[], set[str]]) -> Callable[[Any], list[str]]:
-    """The Redis keys to pop from: kombu's queue cycle restricted to the queues that fit, by priority."""
-    def queue_keys(channel: Any) -> list[str]:
-        allowed = fitting()
-        queues = [q for q in channel._queue_cycle.consume(len(channel.active_queues)) if q in allowed]
-        return [channel._q_for_pri(q, pri) for pri in channel.priority_steps for q in queues]
+    class CostGate(bootsteps.StartStopStep):
+        requires = (broker.CONSUMER_TASKS_STEP,)
 
-    return queue_keys
+        def start(self, c: Any) -> None:
+            broker.install(broker.task_channel(c), lambda: budget.fitting(broker.held_queues()), gate)
+            log.info("cost gate on: budget %d tokens, at most %d jobs, over %d queues", budget.budget,
+                     budget.max_jobs, len(budget.queue_costs))
 
-
-class CostGate(bootsteps.StartStopStep):
-    """Consumer bootstep installing the gate on the task channel (after Celery's Tasks step)."""
-
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def start(self, c: Any) -> None:
-        budget: CostBudget = c.app.vlmq_budget
-        channel = c.task_consumer.channel
-        if not hasattr(channel, "_brpop_start") or not hasattr(channel, "handlers"):
-            raise RuntimeError("the vlmq cost gate needs the Redis transport")
-
-        def fitting() -> set[str]:
-            return budget.fitting(_held_queues())
-
-        original = channel.qos.can_consume
-        channel.qos.can_consume = MethodType(lambda qos: bool(fitting()) and original(), channel.qos)
-        redispop.install(channel, _gated_keys(fitting))
-        log.info("cost gate on: budget %d over %s", budget.budget, budget.queue_costs)
+    return CostGate

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from vlmq import keys, records
-from vlmq.errors import BackendError, InvalidRequest
+from vlmq import keys, records, rules
+from vlmq.errors import BackendError, InvalidRequest, JobFailed
 from vlmq.images import ImageLimits
 from vlmq.jobs import JobStatus, now
 from vlmq.settings import Settings
@@ -20,6 +20,7 @@ from vlmq.workers.decode import decode
 
 log = logging.getLogger(__name__)
 _ACTIVE = (JobStatus.QUEUED, JobStatus.STARTED)
+_FINAL = frozenset(s.value for s in JobStatus if s.is_final)
 T = TypeVar("T")
 
 
@@ -37,14 +38,6 @@ class WorkerContext:
         return ImageLimits(max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_image_pixels)
 
 
-class JobError(Exception):
-    """A job failure with a code users see."""
-
-    def __init__(self, code: str, message: str, retryable: bool = False) -> None:
-        super().__init__(message)
-        self.code, self.message, self.retryable = code, message, retryable
-
-
 def hand_back(ctx: WorkerContext, job_id: str) -> None:
     """Undo this delivery's bookkeeping: a handed-back job is queued again and was no crash."""
     ctx.redis.hincrby(keys.job(job_id), "attempts", -1)
@@ -58,9 +51,13 @@ def run_job(ctx: WorkerContext, job_id: str) -> str:
     if not record:
         log.warning("job %s: no record; dropping its message", job_id)
         return "missing"
-    if JobStatus(record["status"]).is_final or ctx.redis.exists(keys.canceled(job_id)):
+    if record.get("status") in _FINAL or ctx.redis.exists(keys.canceled(job_id)):
         log.info("job %s already %s; skipping", job_id, record["status"])
         return record["status"]
+    try:
+        check_record(ctx, job_id, record)
+    except InvalidRequest as e:  # a forged or corrupt record: fail it alone, never serve it
+        return _fail_record(ctx, job_id, record, e)
     attempts = ctx.redis.hincrby(keys.job(job_id), "attempts", 1)
     if attempts > ctx.settings.max_attempts:
         # every earlier delivery crashed its worker or timed out: stop the loop here
@@ -70,8 +67,8 @@ def run_job(ctx: WorkerContext, job_id: str) -> str:
     log.info("job %s started on %s", job_id, ctx.name)
     try:
         return _serve(ctx, job_id, record)
-    except JobError as e:
-        return _fail(ctx, job_id, e.code, e.message, e.retryable)
+    except JobFailed as e:
+        return _fail(ctx, job_id, e.error_type, e.message, e.retryable)
     except HandBack:
         raise
     except Exception as e:  # anything unexpected fails this job alone, with its traceback logged
@@ -82,18 +79,16 @@ def run_job(ctx: WorkerContext, job_id: str) -> str:
 def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     t0 = time.monotonic()
     if record["model"] != ctx.model:
-        raise JobError("wrong_model", f"job is for model {record['model']!r}; this worker serves {ctx.model!r}")
-    if not keys.input_key_allowed(job_id, record["input_key"]):  # a forged record naming another tenant's input
-        raise JobError("bad_input_key", f"input_key {record['input_key']!r} is not an input of job {job_id}")
+        raise JobFailed("wrong_model", f"job is for model {record['model']!r}; this worker serves {ctx.model!r}")
     try:
         data = with_storage_retry(ctx, lambda: ctx.storage.get(record["input_key"]))
     except KeyError:
-        raise JobError("input_missing", f"input object {record['input_key']} is not in storage") from None
+        raise JobFailed("input_missing", f"input object {record['input_key']} is not in storage") from None
     t1 = time.monotonic()
     try:
         image = decode(data, ctx.limits)
     except InvalidRequest as e:
-        raise JobError(e.code, str(e)) from e
+        raise JobFailed(e.code, str(e)) from e
     t2 = time.monotonic()
     request = GenRequest(job_id, image, record["prompt"], int(record["max_new_tokens"]),
                          ignore_eos=record.get("ignore_eos") == "1", priority=int(record.get("priority", 5)),
@@ -104,9 +99,9 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     except HandBack:
         raise
     except InvalidRequest as e:  # the backend cannot ever serve this job (too long for its KV, ...)
-        raise JobError(e.code, str(e)) from e
+        raise JobFailed(e.code, str(e)) from e
     except Exception as e:
-        raise JobError("model_error", f"{type(e).__name__}: {e}", retryable=True) from e
+        raise JobFailed("model_error", f"{type(e).__name__}: {e}", retryable=True) from e
     t3 = time.monotonic()
     timings = {"queue": max(0.0, now() - float(record["queued_at"]) - (t3 - t0)), "fetch": t1 - t0,
                "decode_image": t2 - t1, "model": t3 - t2}
@@ -139,6 +134,18 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
                        {"result_key": key, "generated_tokens": len(out.token_ids)}, ttl=ctx.settings.job_ttl)
     log.info("job %s finished (%d tokens)", job_id, len(out.token_ids))
     return JobStatus.FINISHED.value
+
+
+def check_record(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> None:
+    """The record follows the SDK's rules (``vlmq.rules``) under this worker's settings; raises InvalidRequest."""
+    s = ctx.settings
+    rules.check_record(record, job_id, max_prompt_chars=s.max_prompt_chars, max_new_tokens_limit=s.max_new_tokens)
+
+
+def _fail_record(ctx: WorkerContext, job_id: str, record: dict[str, str], error: InvalidRequest) -> str:
+    if record.get("status") not in rules.STATUSES:  # a bogus status: make it one the transition can leave
+        ctx.redis.hset(keys.job(job_id), "status", JobStatus.QUEUED.value)
+    return _fail(ctx, job_id, error.code, f"the job record was refused: {error}", False)
 
 
 def with_storage_retry(ctx: WorkerContext, call: Callable[[], T]) -> T:

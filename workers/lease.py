@@ -13,38 +13,28 @@ import threading
 import time
 from typing import Any
 
+from vlmq.workers import broker
+
 log = logging.getLogger(__name__)
-UNACKED_INDEX = "unacked_index"
-
-
-def held_delivery_tags() -> list[str]:
-    from celery.worker import state
-
-    requests = list(state.reserved_requests) + list(state.active_requests)
-    return list({r.message.delivery_tag for r in requests if r.message is not None})
 
 
 class LeaseRenewer:
     def __init__(self, redis: Any, visibility_timeout: int) -> None:
         self.redis = redis
         self.period = max(0.5, visibility_timeout / 4)
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vlmq-lease", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
-
     def renew(self) -> int:
-        tags = held_delivery_tags()
-        if tags:
-            self.redis.zadd(UNACKED_INDEX, {tag: time.time() for tag in tags}, xx=True)
+        tags = broker.held_delivery_tags()
+        broker.renew_leases(self.redis, tags)
         return len(tags)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        while True:  # a daemon thread: it ends with the worker process
+            time.sleep(self.period)
             try:
                 self.renew()
             except Exception:  # Redis blips must not kill the thread; the next period retries

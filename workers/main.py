@@ -66,14 +66,17 @@ def check_device(device: str) -> None:
 
 def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     """Load the model and consume this model's queues until stopped."""
+    from vlmq import keys
+    from vlmq.workers import broker
     from vlmq.workers.app import make_worker_app
     from vlmq.workers.backends import load_backend
     from vlmq.workers.batcher import Batcher
-    from vlmq.workers.costgate import CostBudget
+    from vlmq.workers.costgate import CostBudget, explain_class_cost
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
 
     check_device(settings.device)
+    broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
     spec = resolve_model(model, settings)
     budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
                         settings.worker_batch)
@@ -86,6 +89,9 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
     log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
              settings.backend, list(budget.queue_costs))
+    for cost_class in cost_classes(settings).names:
+        if keys.queue(spec.name, cost_class) in budget.queue_costs:
+            log.info("cost gate: %s", explain_class_cost(spec, cost_class, settings))
     app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
                      "--without-mingle", "--without-heartbeat", "--pool", "threads",
                      "--concurrency", str(settings.worker_batch)])
@@ -103,17 +109,27 @@ def _gpu_ids(gpus: str) -> list[str]:
 
 
 def run_gpu_workers(settings: Settings, model: str, gpus: str) -> int:
-    """One child worker per GPU; stops them all on SIGTERM/SIGINT, restarts one that dies."""
+    """One child worker per GPU; stops them all on SIGTERM/SIGINT, restarts one that dies.
+
+    A child that keeps crashing on start-up is given up and reported (``crashloop``) instead of restarted
+    into the same failure forever; when every GPU is given up the supervisor exits with 1.
+    """
+    from vlmq.workers.crashloop import RestartPolicy
+
     check_device("cuda")
     ids = _gpu_ids(gpus)
     if not ids:
         raise SystemExit("vlmq worker: --gpus named no GPU ids; use --gpus all, --gpus 0,1 or --device cpu")
     children: dict[str, subprocess.Popen[bytes]] = {}
+    started: dict[str, float] = {}
+    due: dict[str, float] = {}  # GPU -> when its restart is due
+    policy = RestartPolicy()
     stopping = False
 
     def spawn(gpu: str) -> None:
         env = {**os.environ, **settings.to_env(), "CUDA_VISIBLE_DEVICES": gpu, "VLMQ_DEVICE": "cuda:0"}
         children[gpu] = subprocess.Popen([sys.executable, "-m", "vlmq.workers.main", "--model", model], env=env)
+        started[gpu] = time.monotonic()
 
     def stop(*_: object) -> None:
         nonlocal stopping
@@ -125,12 +141,26 @@ def run_gpu_workers(settings: Settings, model: str, gpus: str) -> int:
     signal.signal(signal.SIGINT, stop)
     for gpu in ids:
         spawn(gpu)
-    while not stopping:
+    while not stopping and (children or due):
         time.sleep(1)
         for gpu, child in list(children.items()):
-            if child.poll() is not None and not stopping:
-                log.error("worker on GPU %s exited with %s; restarting", gpu, child.returncode)
+            if child.poll() is None or stopping:
+                continue
+            del children[gpu]
+            delay = policy.after_exit(gpu, time.monotonic() - started[gpu])
+            if delay is None:
+                log.error("worker on GPU %s crashed %d times within %.0f s of starting (last exit %s); not "
+                          "restarting it: read its log", gpu, policy.crashes[gpu], policy.startup_window_s,
+                          child.returncode)
+                continue
+            log.error("worker on GPU %s exited with %s; restarting in %.0f s", gpu, child.returncode, delay)
+            due[gpu] = time.monotonic() + delay
+        for gpu, when in list(due.items()):
+            if time.monotonic() >= when and not stopping:
+                del due[gpu]
                 spawn(gpu)
+    if not stopping:
+        return 1  # every GPU's worker was given up
     return max((c.wait() for c in children.values()), default=0)
 
 

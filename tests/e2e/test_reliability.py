@@ -140,9 +140,12 @@ def test_object_store_outage_delays_jobs_without_losing_them(settings: Settings,
         proxy.cut()
         w = start(workers, settings, tmp_path, "w")
         w.wait_ready()
-        time.sleep(6)
-        assert all(j.status() is not JobStatus.FINISHED for j in jobs)
-        assert "object store failed" in w.log()
+        # the worker takes every job and keeps retrying the store: wait for that, then check none ended
+        deadline = time.monotonic() + 180
+        while not ("object store failed" in w.log() and all(j.status() is JobStatus.STARTED for j in jobs)):
+            assert time.monotonic() < deadline, f"jobs {[j.status() for j in jobs]} during the outage"
+            time.sleep(0.05)
+        assert not any(j.status().is_final for j in jobs)
         proxy.start()
         for job in jobs:
             assert job.result(timeout=300).finish_reason in ("stop", "length")

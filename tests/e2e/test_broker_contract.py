@@ -1,0 +1,67 @@
+"""The kombu/Celery internals vlmq.workers.broker relies on exist, and an upgrade that moves one fails loudly."""
+from __future__ import annotations
+
+import importlib
+import re
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vlmq import keys
+from vlmq.queue import make_celery
+from vlmq.settings import Settings
+from vlmq.workers import broker
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def test_every_internal_exists_in_the_installed_versions_and_the_pins_cover_them() -> None:
+    broker.check_internals()
+    text = PYPROJECT.read_text()
+    for package in ("celery", "kombu"):
+        pinned = re.search(rf'"{package}(?:\[redis\])?~=(\d+\.\d+)\.\d+"', text)
+        assert pinned, f"{package} is not pinned with a compatible-release range in pyproject.toml"
+        assert version(package).startswith(pinned[1] + "."), f"installed {package} {version(package)} is off the pin"
+
+
+@pytest.mark.parametrize(("module", "path"), broker.INTERNALS, ids=[f"{m}.{p}" for m, p in broker.INTERNALS])
+def test_a_missing_internal_is_named(monkeypatch: pytest.MonkeyPatch, module: str, path: str) -> None:
+    owner: Any = importlib.import_module(module)
+    *parents, name = path.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    if isinstance(owner, type):  # remove it where it is defined, base classes included, as an upgrade would
+        for klass in owner.__mro__:
+            if name in vars(klass):
+                monkeypatch.delattr(klass, name)
+    else:
+        monkeypatch.delattr(owner, name)
+    with pytest.raises(broker.BrokerContractError, match=re.escape(f"{module}.{path} is missing")):
+        broker.check_internals()
+
+
+@pytest.fixture()
+def channel(redis_url: str) -> Any:
+    app = make_celery(Settings(broker_url=redis_url))
+    with app.connection_for_write() as conn:
+        yield conn.default_channel
+
+
+def test_a_real_channel_uses_the_key_layout_of_vlmq_keys(channel: Any) -> None:
+    broker.check_channel(channel)
+    assert channel.unacked_key == keys.UNACKED and channel.unacked_index_key == keys.UNACKED_INDEX
+    assert [channel._q_for_pri("q", p) for p in channel.priority_steps] == keys.queue_lists("q")
+
+
+def test_a_channel_laid_out_differently_is_refused_by_name(channel: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(channel, "sep", "\x06\x16")  # kombu's default separator, not the one vlmq configures
+    with pytest.raises(broker.BrokerContractError, match="priority list for step 1"):
+        broker.check_channel(channel)
+    monkeypatch.setattr(channel, "unacked_key", "other")
+    with pytest.raises(broker.BrokerContractError, match="unacked_key"):
+        broker.check_channel(channel)
+    monkeypatch.delattr(channel, "_queue_cycle")
+    with pytest.raises(broker.BrokerContractError, match="Channel._queue_cycle is missing"):
+        broker.check_channel(channel)
