@@ -75,9 +75,9 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
 
-    check_device(settings.device)
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
     spec = resolve_model(model, settings)
+    check_device(settings.device)
     budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
                         settings.worker_batch)
     name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -116,7 +116,8 @@ def run_gpu_workers(settings: Settings, model: str, gpus: str) -> int:
     """
     from vlmq.workers.crashloop import RestartPolicy
 
-    check_device("cuda")
+    if gpus == "all":  # named ids are checked by each child (and a child that cannot start is given up)
+        check_device("cuda")
     ids = _gpu_ids(gpus)
     if not ids:
         raise SystemExit("vlmq worker: --gpus named no GPU ids; use --gpus all, --gpus 0,1 or --device cpu")
