@@ -47,3 +47,39 @@ def input_object(sha256: str) -> str:
 def result_object(job_id: str) -> str:
     """Storage key of a job's result JSON."""
     return f"results/{job_id}.json"
+
+
+def job_pattern() -> str:
+    """``SCAN`` pattern matching every job record (the retention sweep reads the live ones' inputs)."""
+    return f"{PREFIX}job:*"
+
+
+def retention_lock() -> str:
+    """``SET NX EX`` lock: the worker that sets it runs this period's object-store retention sweep.
+
+    Written by ``vlmq.workers.retention``; it expires after the sweep period and is never deleted, so
+    the fleet sweeps at most once per period.
+    """
+    return f"{PREFIX}retention-sweep"
+
+
+# kombu's Redis transport: messages delivered but not acked (hash and its index by delivery time) and the
+# restore sweep's mutex; shared by every queue in the database
+KOMBU_UNACKED = "unacked"
+KOMBU_UNACKED_INDEX = "unacked_index"
+KOMBU_UNACKED_MUTEX = "unacked_mutex"
+KOMBU_BINDING_PREFIX = "_kombu.binding."  # one set per exchange, naming the queues bound to it
+
+
+def is_queue_list(name: str) -> bool:
+    """Whether ``name`` is one of the Redis lists behind a vlmq Celery queue (see :func:`queue_lists`)."""
+    base = name.partition(":")[0]
+    model, _, cost_class = base.removeprefix("vlmq.").rpartition(".")
+    return base.startswith("vlmq.") and bool(model and cost_class) and name in queue_lists(base)
+
+
+def has_owner(name: str) -> bool:
+    """Whether a key without a TTL is owned: kombu deletes it when it empties (queue lists, unacked
+    structures) or keeps it on purpose (exchange bindings, a handful per pool)."""
+    return (is_queue_list(name) or name in (KOMBU_UNACKED, KOMBU_UNACKED_INDEX, KOMBU_UNACKED_MUTEX)
+            or name.startswith(KOMBU_BINDING_PREFIX))
