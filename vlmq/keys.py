@@ -68,7 +68,9 @@ def retention_lock() -> str:
 KOMBU_UNACKED = "unacked"
 KOMBU_UNACKED_INDEX = "unacked_index"
 KOMBU_UNACKED_MUTEX = "unacked_mutex"
-KOMBU_BINDING_PREFIX = "_kombu.binding."  # one set per exchange, naming the queues bound to it
+# exchange bindings: ``_kombu.binding.<exchange>`` and ``_kombu.binding_permanent.<exchange>`` (sets of the queues
+# bound to it) and ``_kombu.binding_deadlines`` (when the bindings of expiring queues lapse; kombu 5.7)
+KOMBU_BINDING_PREFIX = "_kombu.binding"
 
 
 def is_queue_list(name: str) -> bool:
