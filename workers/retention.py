@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from vlmq import keys
-from vlmq.jobs import JobStatus, decode_record
+from vlmq.jobs import JobStatus
 from vlmq.settings import Settings
 from vlmq.storage import Storage
 
@@ -42,9 +42,8 @@ def live_inputs(redis: Any) -> set[str]:
         for name in names:
             pipe.hmget(name, "status", "input_key")
         for status, input_key in pipe.execute():
-            record = decode_record({"status": status or b"", "input_key": input_key or b""})
-            if record["input_key"] and record["status"] not in FINAL:
-                live.add(record["input_key"])
+            if input_key and (status or b"").decode(errors="replace") not in FINAL:
+                live.add(input_key.decode(errors="replace"))
     return live
 
 
