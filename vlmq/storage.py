@@ -45,6 +45,8 @@ class Storage(ABC):
     def list_older(self, prefix: str, before: float) -> Iterator[str]:
         """Keys under ``prefix`` (e.g. ``inputs/``) of objects last written before ``before``.
 
+        Objects whose names this interface refuses as keys (``a//b``, written by other tools) are left out.
+
         Args:
             prefix: a key prefix ending in ``/``.
             before: a timestamp (seconds since the epoch); newer objects are left out.
@@ -105,6 +107,13 @@ def _check_key(key: str) -> str:
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"bad storage key {key!r}")
     return key
+
+
+def _is_key(key: str) -> bool:
+    try:
+        return bool(_check_key(key))
+    except ValueError:
+        return False
 
 
 def _check_prefix(prefix: str) -> str:
@@ -285,8 +294,9 @@ class S3Storage(Storage):
         try:
             for page in pages:
                 for item in page.get("Contents", []):
-                    if item["LastModified"].timestamp() < before:
-                        yield item["Key"][len(head):]
+                    key = item["Key"][len(head):]
+                    if item["LastModified"].timestamp() < before and _is_key(key):
+                        yield key
         except (BotoCoreError, ClientError) as e:
             raise BackendError(f"object store {self.url} failed listing {prefix}: {e}") from e
 
