@@ -121,6 +121,9 @@ class Settings:
     worker_batch: int = _setting(16, WORKER, "most jobs it holds at once")
     worker_classes: str = _setting("", WORKER, "cost classes it consumes, e.g. `xs,s`",
                                    shown="all that fit its budget")
+    retention: int = _setting(0, WORKER, "seconds `inputs/` and `results/` objects are kept; workers delete older "
+                              "ones (inputs of queued or running jobs excepted), one sweep per fleet per period",
+                              shown="`0` (keep forever)")
     backend: str = _setting(BACKENDS[0], WORKER, "`engine` (the vlmq engine) or `hf` (plain transformers "
                             "`generate`)")
     device: str = _setting("cpu", WORKER, "`cpu`, `cuda` or `cuda:N`")
@@ -137,8 +140,8 @@ class Settings:
             raise ValueError(f"storage_url must be s3://bucket/prefix or file:///dir, got {self.storage_url!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.shutdown_grace < 0 or self.storage_retry < 0:
-            raise ValueError("shutdown_grace and storage_retry must not be negative")
+        if min(self.shutdown_grace, self.storage_retry, self.retention) < 0:
+            raise ValueError("shutdown_grace, storage_retry and retention must not be negative")
         self.queue_depth_limit("xs")  # validates the format
         if self.tenant:
             try:

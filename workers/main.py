@@ -74,6 +74,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.costgate import CostBudget, explain_class_cost
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
+    from vlmq.workers.retention import start_sweeper
 
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
     spec = resolve_model(model, settings)
@@ -87,6 +88,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
                         Batcher(backend, settings.worker_batch), spec.name, name)
     app = make_worker_app(settings, ctx, budget)
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
+    start_sweeper(settings, ctx.redis, ctx.storage, name)
     log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
              settings.backend, list(budget.queue_costs))
     for cost_class in cost_classes(settings).names:
