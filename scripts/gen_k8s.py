@@ -8,7 +8,11 @@ Per model and cost-class group: one worker Deployment (``vlmq worker --model M -
 PodDisruptionBudget and a KEDA ScaledObject. KEDA allows one ScaledObject per Deployment, so the
 ScaledObject of a group sums (``advanced.scalingModifiers.formula``) one Redis ``lists`` trigger for
 every list that holds the group's waiting work: for each class, ``keys.queue_lists(keys.queue(M, C))``,
-kombu's bare queue list plus one list per priority step. The default group is one class, so the
+kombu's bare queue list plus one list per priority step; and one Prometheus trigger, ``held``, for the
+jobs workers already hold (kombu keeps them in one hash for all queues, so Redis cannot count them per
+class; the workers export the count). Without it a pool that keeps up sees empty lists, scales to zero
+after the cooldown and pays a cold start (scripts/sim_autoscale.py shows the difference). The default
+group is one class, so the
 default is one Deployment and one ScaledObject per (model, class). Classes no image of the model can
 reach (its resolution policy caps the vision tokens) get no Deployment.
 
@@ -40,6 +44,8 @@ REDIS_ADDRESS_ENV = "REDIS_ADDRESS"  # host:port for KEDA's Redis scaler (it tak
 REDIS_PASSWORD_KEY = "REDIS_PASSWORD"
 SHUTDOWN_GRACE = 120  # VLMQ_SHUTDOWN_GRACE in the ConfigMap: a GPU batch's running jobs get two minutes
 STOP_MARGIN = 60  # terminationGracePeriodSeconds = grace + margin: hand-back and exit after the grace
+PROMETHEUS_URL = "http://prometheus.monitoring.svc:9090"  # where the workers' metrics are scraped
+HELD_METRIC = "vlmq_queue_unacked"  # jobs workers hold, per (model, class): infra/metrics.txt
 POLLING_S, COOLDOWN_S, SCALE_DOWN_WINDOW_S = 15, 300, 300
 MAX_REPLICAS = 8
 WORKER_LABEL = {"app.kubernetes.io/name": "vlmq", "app.kubernetes.io/component": "worker"}
@@ -149,6 +155,11 @@ def scaled_object(model: str, group: list[str], database: int, settings: Setting
                              "authenticationRef": {"name": TRIGGER_AUTH},
                              "metadata": {"addressFromEnv": REDIS_ADDRESS_ENV, "listName": list_name,
                                           "databaseIndex": str(database), "listLength": "1"}})
+    classes = "|".join(re.escape(c) for c in group)
+    query = f'sum(max by (class) ({HELD_METRIC}{{model="{model}",class=~"{classes}"}}))'
+    triggers.append({"type": "prometheus", "name": "held",
+                     "metadata": {"serverAddress": PROMETHEUS_URL, "query": query, "threshold": "1",
+                                  "ignoreNullValues": "true"}})
     per_replica = settings.worker_batch  # waiting jobs per replica before another one is added
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",

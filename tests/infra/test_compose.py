@@ -154,6 +154,7 @@ def test_dashboard_uses_only_exported_series() -> None:
     used = set().union(*(metric_names(e) for e in exprs))
     assert used - exported_series() == set()
     assert len(used) >= 15  # the dashboard shows most of what is exported
+    assert f"{gen_k8s.HELD_METRIC}\t" in (INFRA / "metrics.txt").read_text()  # the KEDA held trigger's series
     assert metric_names('rate(vlmq_jobz_total{status="failed"}[5m])') == {"vlmq_jobz_total"}
     datasource = yaml.safe_load((INFRA / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
     uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}

@@ -85,14 +85,18 @@ def test_each_scaler_watches_every_list_of_its_queues(built: list[dict]) -> None
         deployment = deployments[spec["scaleTargetRef"]["name"]]
         model = container(deployment)["args"][container(deployment)["args"].index("--model") + 1]
         expected = [name for c in group_of(deployment) for name in keys.queue_lists(keys.queue(model, c))]
-        assert [t["metadata"]["listName"] for t in spec["triggers"]] == expected
+        lists = [t for t in spec["triggers"] if t["type"] == "redis"]
+        assert [t["metadata"]["listName"] for t in lists] == expected
         assert len(expected) == len(group_of(deployment)) * len(keys.PRIORITY_STEPS)
         # KEDA takes the max over triggers: the formula must add every list up
         formula = spec["advanced"]["scalingModifiers"]["formula"]
         assert sorted(formula.split(" + ")) == sorted(t["name"] for t in spec["triggers"])
         assert spec["minReplicaCount"] == 0 and spec["cooldownPeriod"] >= 60
-        for trigger in spec["triggers"]:
-            assert trigger["type"] == "redis"
+        (held,) = [t for t in spec["triggers"] if t["type"] == "prometheus"]
+        assert held["name"] == "held"
+        classes = "|".join(group_of(deployment))
+        assert f'{gen_k8s.HELD_METRIC}{{model="{model}",class=~"{classes}"}}' in held["metadata"]["query"]
+        for trigger in lists:
             assert trigger["metadata"]["addressFromEnv"] in config(built)
             assert trigger["authenticationRef"]["name"] == auth
 
@@ -100,7 +104,7 @@ def test_each_scaler_watches_every_list_of_its_queues(built: list[dict]) -> None
 def test_every_class_the_model_can_reach_has_a_scaler(built: list[dict]) -> None:
     settings = Settings()
     spec = resolve_model(BUNDLED_MODEL, settings)
-    watched = {t["metadata"]["listName"] for s in by_kind(built, "ScaledObject") for t in s["spec"]["triggers"]}
+    watched = {t["metadata"].get("listName") for s in by_kind(built, "ScaledObject") for t in s["spec"]["triggers"]}
     for cost_class in gen_k8s.reachable_classes(spec, settings):
         assert set(keys.queue_lists(keys.queue(BUNDLED_MODEL, cost_class))) <= watched, cost_class
     # tiny-shapes caps an image at 334 vision tokens: xs and s only
@@ -147,7 +151,8 @@ def test_redis_address_agrees_with_the_broker_url(built: list[dict]) -> None:
     broker = load_all(K8S / "base" / "secret.example.yaml")[0]["stringData"]["VLMQ_BROKER_URL"]
     assert broker.split("@", 1)[1].rsplit("/", 1)[0] == config(built)[gen_k8s.REDIS_ADDRESS_ENV]
     for scaled in by_kind(built, "ScaledObject"):
-        assert {t["metadata"]["databaseIndex"] for t in scaled["spec"]["triggers"]} == {broker.rsplit("/", 1)[1]}
+        redis = [t for t in scaled["spec"]["triggers"] if t["type"] == "redis"]
+        assert {t["metadata"]["databaseIndex"] for t in redis} == {broker.rsplit("/", 1)[1]}
 
 
 def test_gpu_overlay_requests_one_gpu_per_worker_and_cpu_none() -> None:
@@ -168,7 +173,7 @@ def test_groups_make_one_scaler_per_deployment(tmp_path) -> None:
     assert gen_k8s.main(["--groups", "xs,s;m", "--out", str(tmp_path)]) == 0
     objects = load_all(tmp_path / "workers-tiny-shapes.yaml")
     (scaled,) = by_kind(objects, "ScaledObject")  # m is out of tiny-shapes' reach: no Deployment for it
-    assert len(scaled["spec"]["triggers"]) == 2 * len(keys.PRIORITY_STEPS)
+    assert len(scaled["spec"]["triggers"]) == 2 * len(keys.PRIORITY_STEPS) + 1  # + held
     for obj in objects:
         validate(obj)
     with pytest.raises(ValueError, match="unknown classes"):
