@@ -44,10 +44,12 @@ REDIS_ADDRESS_ENV = "REDIS_ADDRESS"  # host:port for KEDA's Redis scaler (it tak
 REDIS_PASSWORD_KEY = "REDIS_PASSWORD"
 SHUTDOWN_GRACE = 120  # VLMQ_SHUTDOWN_GRACE in the ConfigMap: a GPU batch's running jobs get two minutes
 STOP_MARGIN = 60  # terminationGracePeriodSeconds = grace + margin: hand-back and exit after the grace
-PROMETHEUS_URL = "http://prometheus.monitoring.svc:9090"  # where the workers' metrics are scraped
+PROMETHEUS_URL = "http://prometheus.monitoring.svc:9090"  # where the workers' metrics are scraped (--prometheus-url)
 HELD_METRIC = "vlmq_queue_unacked"  # jobs workers hold, per (model, class): infra/metrics.txt
 POLLING_S, COOLDOWN_S, SCALE_DOWN_WINDOW_S = 15, 300, 300
 MAX_REPLICAS = 8
+SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]}}  # the images' own user (infra/docker)
 WORKER_LABEL = {"app.kubernetes.io/name": "vlmq", "app.kubernetes.io/component": "worker"}
 # Not yet in this branch's settings table: the metrics helper adds both (the lead reconciles the names).
 METRICS_PORT_ENV, WORKER_EVENTS_ENV = "VLMQ_METRICS_PORT", "VLMQ_WORKER_EVENTS"
@@ -117,6 +119,7 @@ def worker_container(model: str, group: list[str]) -> dict[str, Any]:
             # for VLMQ_SHUTDOWN_GRACE s and hands the rest back; the hook returns when the worker has exited
             "sh", "-c", "kill -TERM 1; while kill -0 1 2>/dev/null; do sleep 1; done"]}}},
         "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
+        "securityContext": SECURITY,
     }
 
 
@@ -146,7 +149,16 @@ def disruption_budget(model: str, group: list[str]) -> dict[str, Any]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels(model, group)}}}
 
 
-def scaled_object(model: str, group: list[str], database: int, settings: Settings) -> dict[str, Any]:
+def held_trigger(model: str, group: list[str], prometheus_url: str) -> dict[str, Any]:
+    classes = "|".join(re.escape(c) for c in group)
+    query = f'sum(max by (class) ({HELD_METRIC}{{model="{model}",class=~"{classes}"}}))'
+    return {"type": "prometheus", "name": "held",
+            "metadata": {"serverAddress": prometheus_url, "query": query, "threshold": "1",
+                         "ignoreNullValues": "true"}}
+
+
+def scaled_object(model: str, group: list[str], database: int, settings: Settings,
+                  prometheus_url: str = PROMETHEUS_URL) -> dict[str, Any]:
     triggers = []
     for cost_class in group:
         queue = keys.queue(model, cost_class)
@@ -155,11 +167,8 @@ def scaled_object(model: str, group: list[str], database: int, settings: Setting
                              "authenticationRef": {"name": TRIGGER_AUTH},
                              "metadata": {"addressFromEnv": REDIS_ADDRESS_ENV, "listName": list_name,
                                           "databaseIndex": str(database), "listLength": "1"}})
-    classes = "|".join(re.escape(c) for c in group)
-    query = f'sum(max by (class) ({HELD_METRIC}{{model="{model}",class=~"{classes}"}}))'
-    triggers.append({"type": "prometheus", "name": "held",
-                     "metadata": {"serverAddress": PROMETHEUS_URL, "query": query, "threshold": "1",
-                                  "ignoreNullValues": "true"}})
+    if prometheus_url:  # without Prometheus in the cluster: lists only (see the module docstring)
+        triggers.append(held_trigger(model, group, prometheus_url))
     per_replica = settings.worker_batch  # waiting jobs per replica before another one is added
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
@@ -206,7 +215,8 @@ def delivery_deployment() -> dict[str, Any]:
     lab = {"app.kubernetes.io/name": "vlmq", "app.kubernetes.io/component": "delivery"}
     container = {"name": "delivery", "image": PRODUCER_IMAGE, "args": ["delivery"],
                  "envFrom": [{"configMapRef": {"name": CONFIG}}, {"secretRef": {"name": SECRET}}],
-                 "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}}
+                 "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                 "securityContext": SECURITY}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "vlmq-delivery", "labels": lab},
             "spec": {"replicas": 2, "selector": {"matchLabels": lab},
                      "template": {"metadata": {"labels": lab}, "spec": {"containers": [container]}}}}
@@ -230,7 +240,8 @@ def broker_database(settings: Settings) -> int:
     return int(path) if path.isdigit() else 0
 
 
-def render(models: list[str], groups_arg: str, settings: Settings) -> dict[str, str]:
+def render(models: list[str], groups_arg: str, settings: Settings,
+           prometheus_url: str = PROMETHEUS_URL) -> dict[str, str]:
     """File name (under infra/k8s/base) -> text."""
     files = {"namespace.yaml": dump([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}],
                                     "namespace"),
@@ -243,7 +254,7 @@ def render(models: list[str], groups_arg: str, settings: Settings) -> dict[str, 
         known = cost_classes(settings).names
         for group in parse_groups(groups_arg, reachable_classes(spec, settings), known):
             objects += [worker_deployment(model, group), disruption_budget(model, group),
-                        scaled_object(model, group, broker_database(settings), settings)]
+                        scaled_object(model, group, broker_database(settings), settings, prometheus_url)]
         files[f"workers-{dns_name(model)}.yaml"] = dump(objects, f"model {model}")
     resources = [name for name in files if name != "secret.example.yaml"]
     kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
@@ -256,12 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", action="append", help=f"model name (repeatable; default {BUNDLED_MODEL})")
     ap.add_argument("--groups", default="", help='cost-class groups, e.g. "xs,s;m" (default: one per class)')
+    ap.add_argument("--prometheus-url", default=PROMETHEUS_URL,
+                    help="Prometheus that scrapes the workers, for the held-jobs trigger ('' = lists only)")
     ap.add_argument("--out", type=Path, default=BASE)
     ap.add_argument("--check", action="store_true", help="compare with the files in --out instead of writing")
     args = ap.parse_args(argv)
     # defaults, not this shell's VLMQ_* values (the files must not depend on who ran the script); only the
     # model table comes from VLMQ_MODELS, so operators can generate their own models' objects
-    files = render(args.model or [BUNDLED_MODEL], args.groups, Settings(models=Settings.from_env().models))
+    files = render(args.model or [BUNDLED_MODEL], args.groups, Settings(models=Settings.from_env().models),
+                   args.prometheus_url)
     stale = [name for name, text in files.items()
              if not (args.out / name).exists() or (args.out / name).read_text() != text]
     if args.check:

@@ -75,7 +75,9 @@ def test_env_names_are_settings(compose: dict) -> None:
 def test_urls_point_at_the_services(compose: dict) -> None:
     env = services_env(compose)["worker"]
     services = compose["services"]
-    assert env["VLMQ_BROKER_URL"] == "redis://valkey:6379/0" and "6379:6379" in services["valkey"]["ports"]
+    password = "${VALKEY_PASSWORD:-vlmq-change-me}"
+    assert env["VLMQ_BROKER_URL"] == f"redis://:{password}@valkey:6379/0" and "6379:6379" in services["valkey"]["ports"]
+    assert services["valkey"]["command"][-2:] == ["--requirepass", password]  # never an open Redis on the node
     assert env["AWS_ENDPOINT_URL"] == "http://minio:9000" and "9000:9000" in services["minio"]["ports"]
     bucket = env["VLMQ_STORAGE_URL"].removeprefix("s3://").split("/")[0]
     assert f"local/{bucket}" in services["bucket"]["command"][0]

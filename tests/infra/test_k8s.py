@@ -176,5 +176,9 @@ def test_groups_make_one_scaler_per_deployment(tmp_path) -> None:
     assert len(scaled["spec"]["triggers"]) == 2 * len(keys.PRIORITY_STEPS) + 1  # + held
     for obj in objects:
         validate(obj)
+    assert gen_k8s.main(["--prometheus-url", "", "--out", str(tmp_path)]) == 0
+    for scaled in by_kind(load_all(tmp_path / "workers-tiny-shapes.yaml"), "ScaledObject"):
+        assert {t["type"] for t in scaled["spec"]["triggers"]} == {"redis"}
+        assert "held" not in scaled["spec"]["advanced"]["scalingModifiers"]["formula"]
     with pytest.raises(ValueError, match="unknown classes"):
         gen_k8s.main(["--groups", "xs,huge", "--out", str(tmp_path)])
