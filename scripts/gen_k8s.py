@@ -46,7 +46,7 @@ SHUTDOWN_GRACE = 120  # VLMQ_SHUTDOWN_GRACE in the ConfigMap: a GPU batch's runn
 STOP_MARGIN = 60  # terminationGracePeriodSeconds = grace + margin: hand-back and exit after the grace
 PROMETHEUS_URL = "http://prometheus.monitoring.svc:9090"  # where the workers' metrics are scraped (--prometheus-url)
 HELD_METRIC = "vlmq_queue_unacked"  # jobs workers hold, per (model, class): infra/metrics.txt
-POLLING_S, COOLDOWN_S, SCALE_DOWN_WINDOW_S = 15, 300, 300
+POLLING_S, COOLDOWN_S, SCALE_DOWN_WINDOW_S, SCALE_DOWN_PERIOD_S = 15, 300, 300, 60
 MAX_REPLICAS = 8
 SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]}}  # the images' own user (infra/docker)
@@ -183,7 +183,7 @@ def scaled_object(model: str, group: list[str], database: int, settings: Setting
                                      "metricType": "AverageValue"},
                 "horizontalPodAutoscalerConfig": {"behavior": {
                     "scaleDown": {"stabilizationWindowSeconds": SCALE_DOWN_WINDOW_S,
-                                  "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]}}},
+                                  "policies": [{"type": "Pods", "value": 1, "periodSeconds": SCALE_DOWN_PERIOD_S}]}}},
             },
             "triggers": triggers,
         },

@@ -14,8 +14,9 @@ Scalers, polled every 15 s like KEDA:
   lists            desired = ceil(waiting / target): the Redis lists only (the committed ScaledObjects)
   lists+inflight   desired = ceil((waiting + held) / target): adds the jobs workers hold (vlmq_queue_unacked)
 both with KEDA's activation (scale from zero on the first waiting job), cooldownPeriod before zero, the HPA
-scale-down window (the highest recommendation of the last 300 s), a cold start before a new worker takes
-work, and a graceful stop (a removed worker finishes what it holds). Fixed fleet: ceil(peak load / 0.8).
+scale-down window (the highest recommendation of the last 300 s, one pod a minute at most), a cold start
+before a new worker takes work, and a graceful stop (a removed worker finishes what it holds). Fixed fleet:
+ceil(peak load / 0.8).
 
 The generated trace: 24 h of Poisson arrivals per class with a daily curve (peak at 14:00, night at 10 %
 of it) and one bulk submit of 3,000 xs jobs over a minute at 09:00. --trace replays a CSV of
@@ -30,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gen_k8s  # scripts/: the ScaledObjects' settings
 import numpy as np
 
 from vlmq.cost import ResolutionPolicy, estimate
@@ -40,7 +42,9 @@ BENCH = ROOT / "bench-results" / "engine-rand30m.json"
 # the benchmark's 30 M model: Qwen2-VL's 14-px patches with the bundled processor's pixel bounds
 POLICY = ResolutionPolicy(patch_size=14, merge_size=2, min_pixels=224 * 224, max_pixels=1024 * 1024)
 PEAK_RATE = {"xs": 4.0, "s": 1.5, "m": 0.5}  # jobs/s at the daily peak
-POLL_S, COOLDOWN_S, WINDOW_S, MAX_REPLICAS = 15, 300, 300, 8
+# the ScaledObjects' settings, from the script that writes them
+POLL_S, COOLDOWN_S, WINDOW_S = gen_k8s.POLLING_S, gen_k8s.COOLDOWN_S, gen_k8s.SCALE_DOWN_WINDOW_S
+DOWN_PERIOD_S, MAX_REPLICAS = gen_k8s.SCALE_DOWN_PERIOD_S, gen_k8s.MAX_REPLICAS
 
 
 def benchmark_requests(n: int = 48, max_side: int = 1344, lengths: tuple[int, int] = (16, 256)) -> list[tuple]:
@@ -110,6 +114,7 @@ class Scaler:
     fixed: int = 0
     history: list = field(default_factory=list)  # (time, desired)
     idle_since: float = 0.0
+    last_down: float = -math.inf
 
     def desired(self, now: float, waiting: int, held: int, current: int) -> int:
         if self.policy == "fixed":
@@ -123,7 +128,13 @@ class Scaler:
             self.idle_since = now
             want = max(1, min(MAX_REPLICAS, math.ceil(metric / self.target)))
         self.history = [(t, d) for t, d in self.history if now - t < WINDOW_S] + [(now, want)]
-        return want if want >= current else max(d for _, d in self.history)  # scale down: highest in the window
+        if want >= current:
+            return want
+        # scale down: to the highest recommendation in the window, one pod per DOWN_PERIOD_S at most
+        if now - self.last_down < DOWN_PERIOD_S:
+            return current
+        self.last_down = now
+        return max(max(d for _, d in self.history), current - 1)
 
 
 def simulate(arrivals: np.ndarray, service: float, slots: int, scaler: Scaler, cold_start: float,

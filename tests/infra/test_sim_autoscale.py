@@ -16,10 +16,11 @@ def test_lists_only_scaler_drops_to_zero_while_jobs_are_held() -> None:
     assert lists.desired(0, waiting=40, held=0, current=0) == 3 == held.desired(0, waiting=40, held=0, current=0)
     # the lists are empty but 10 jobs are running: past the cooldown only the held count keeps a worker
     assert lists.desired(sim.COOLDOWN_S + 15, waiting=0, held=10, current=3) == 0
-    assert held.desired(sim.COOLDOWN_S + 15, waiting=0, held=10, current=3) == 1
-    # scale-down keeps the highest recommendation of the last WINDOW_S seconds
-    assert held.desired(sim.COOLDOWN_S + 30, waiting=40, held=0, current=1) == 3
-    assert held.desired(sim.COOLDOWN_S + 45, waiting=0, held=10, current=3) == 3
+    assert held.desired(sim.COOLDOWN_S + 15, waiting=0, held=10, current=3) == 2  # one pod a minute
+    assert held.desired(sim.COOLDOWN_S + 30, waiting=0, held=10, current=2) == 2
+    # scale-up is immediate; scale-down keeps the highest recommendation of the last WINDOW_S seconds
+    assert held.desired(sim.COOLDOWN_S + 45, waiting=40, held=0, current=2) == 3
+    assert held.desired(sim.COOLDOWN_S + 200, waiting=0, held=10, current=3) == 3
 
 
 def test_scale_from_zero_pays_the_cold_start_and_finishes_every_job() -> None:
