@@ -57,6 +57,10 @@ class Storage(ABC):
             ObjectTooLarge: the object holds more than ``max_bytes`` bytes.
         """
 
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        """A URL that reads the object without credentials for ``expires`` seconds (None where the store has none)."""
+        return None
+
     def read_uri(self, uri: str, max_bytes: int) -> bytes:
         """Read the object a URI names in this store (``s3://bucket/prefix/key``, ``file:///dir/key``).
 
@@ -241,6 +245,11 @@ class S3Storage(Storage):
             self._call("delete_object", Key=self._key(key))
         except ClientError as e:
             raise BackendError(f"object store {self.url} failed deleting {key}: {e}") from e
+
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        return str(self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket,
+                                                                            "Key": self._key(key)},
+                                                      ExpiresIn=expires))
 
     def key_of(self, uri: str) -> str:
         bucket, key = split_uri(uri)
