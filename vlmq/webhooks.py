@@ -107,7 +107,9 @@ def parse_secrets(raw: str) -> list[str]:
     found = raw.replace(",", " ").split()
     for secret in found:
         try:
-            ok = secret.startswith("whsec_") and len(base64.b64decode(secret[6:] + "==", validate=True)) >= 16
+            text = secret[6:]
+            ok = secret.startswith("whsec_") and len(base64.b64decode(text + "=" * (-len(text) % 4),
+                                                                     validate=True)) >= 16
         except (binascii.Error, ValueError):
             ok = False
         if not ok:
