@@ -103,13 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the storage folder afterwards")
     p.set_defaults(func=_demo)
     p = sub.add_parser("worker", help="run a worker (one process per GPU with --gpus)")
-    from vlmq.worker_args import add_worker_arguments
+    from vlmq.worker_args import add_delivery_arguments, add_worker_arguments
 
     add_worker_arguments(p)
     p.set_defaults(func=_worker)
     p = sub.add_parser("delivery", help="run a webhook delivery worker (CPU only; needs VLMQ_WEBHOOK_SECRETS)")
-    p.add_argument("--concurrency", type=int, help="requests sent at once (VLMQ_WEBHOOK_CONCURRENCY)")
-    p.add_argument("--name", help="worker name shown in logs")
+    add_delivery_arguments(p)
     p.set_defaults(func=_delivery)
     p = sub.add_parser("cost", help="print the vision-token cost of images from their headers")
     p.add_argument("images", nargs="+")

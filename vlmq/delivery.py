@@ -329,9 +329,11 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from vlmq.cli import build_parser
+    from vlmq.worker_args import add_delivery_arguments
 
-    return main_from_args(build_parser().parse_args(["delivery", *(argv if argv is not None else sys.argv[1:])]))
+    parser = argparse.ArgumentParser(prog="vlmq delivery", description="Deliver webhooks (the vlmq.webhooks queue).")
+    add_delivery_arguments(parser)
+    return main_from_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
