@@ -6,6 +6,7 @@ retry schedule is compressed to 0.4, 0.8 and 1.6 s and the timeout to 1 s.
 """
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -14,10 +15,11 @@ from typing import Any
 
 import pytest
 import redis
+from PIL import Image
 from receiver import Answer, Receiver
 from standardwebhooks import Webhook, WebhookVerificationError
 from test_jobrunner import EchoBackend, png
-from workerproc import WorkerProcess
+from workerproc import TINY_CLASSES, WorkerProcess
 
 from vlmq import keys, webhooks
 from vlmq.client import Client
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.timeout(180)
 NEW_SECRET, OLD_SECRET = webhooks.new_secret(), webhooks.new_secret()
 SCHEDULE = (0.4, 0.8, 1.6)
 TIMEOUT = 1.0
+N_JOBS = 8
 DB = 5  # its own database: other tests flush database 0, which would drop the delivery worker's queue bindings
 
 
@@ -235,3 +238,50 @@ def test_submit_refuses_internal_webhooks_before_enqueuing(delivery: Settings, t
                 pytest.raises(InvalidRequest, match="loopback"):
             defaulted.submit(png(), "hello")
         assert client.queue_depth("tiny-shapes", "xs") == depth  # nothing was enqueued
+
+
+def solid(i: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (i * 37 % 256, i * 91 % 256, 200)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.slow
+def test_a_slow_receiver_leaves_job_throughput_unchanged(redis_url: str, tmp_path: Path,
+                                                        receiver: Callable[..., Receiver]) -> None:
+    """One real worker process; the same jobs without webhooks, then with a receiver that sleeps 10 s each."""
+    url = f"{redis_url.rsplit('/', 1)[0]}/{DB + 1}"
+    redis.Redis.from_url(url).flushdb()
+    settings = Settings(broker_url=url, storage_url=f"file://{tmp_path}/store", cost_classes=TINY_CLASSES,
+                        webhook_allow="127.0.0.1/32", webhook_secrets=NEW_SECRET, webhook_timeout=15.0,
+                        webhook_poll=0.05)
+    slow = receiver(default=Answer(200, sleep=10.0))
+    gpu_worker = WorkerProcess(settings, tmp_path / "worker.log", "--name", "throughput")
+    sender = WorkerProcess(settings, tmp_path / "delivery.log", entry=("-m", "vlmq.delivery"))
+    try:
+        gpu_worker.wait_ready()
+        sender.wait_ready(60)
+        with Client(settings=settings) as client:
+            client.submit(png(), "warm up", max_new_tokens=8).result(timeout=120)
+
+            def run(webhook: str, seed: int) -> float:  # a new image per job: no cache makes one run faster
+                started = time.monotonic()
+                jobs = [client.submit(solid(seed + i), f"job {i}", max_new_tokens=240, ignore_eos=True,
+                                      webhook=webhook) for i in range(N_JOBS)]
+                for job in jobs:
+                    job.result(timeout=120)
+                return time.monotonic() - started
+
+            plain = run("", 0)
+            with_hooks = run(slow.url, N_JOBS)
+            all_done = time.monotonic()
+            got = slow.wait_for(N_JOBS, timeout=30)  # every event was sent, and is held 10 s by the receiver
+        print(f"{N_JOBS} jobs: {plain:.2f} s without webhooks, {with_hooks:.2f} s with a receiver sleeping 10 s")
+        # no job waited for its webhook: the last one ended before the receiver could answer the first request
+        assert all_done < got[0].at + 10.0
+        assert with_hooks <= 2 * plain + 2.0, (plain, with_hooks)  # loose: shared CI cores make timings noisy
+        assert len({g.headers["webhook-id"] for g in got}) == N_JOBS
+    finally:
+        gpu_worker.stop()
+        sender.proc.kill()  # its requests are still held by the receiver; nothing to wait for
+        sender.proc.wait()
