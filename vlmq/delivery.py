@@ -218,14 +218,34 @@ def _next_delay(ctx: DeliveryContext, attempt: int, retry_after: str) -> float |
     return delay
 
 
+def malformed(event: dict[str, str]) -> str | None:
+    """Why an event hash cannot be sent (anything in Redis may be forged or corrupt), or None."""
+    if event.get("type") not in webhooks.EVENT_TYPES:
+        return f"unknown type {event.get('type', '')[:40]!r}"
+    if not 0 < len(event.get("subject", "")) <= 200 or not event.get("url"):
+        return "no subject or url"
+    if not event.get("attempts", "").isdigit():
+        return "bad attempts"
+    try:
+        float(event.get("created_at", ""))
+        json.loads(event.get("data") or "{}")
+    except ValueError:
+        return "bad created_at or data"
+    return None
+
+
 def attempt(ctx: DeliveryContext, event_id: str) -> str:
     """Deliver one event once and schedule what follows; returns the attempt's outcome."""
     event_key, due = keys.webhook_event(event_id), keys.webhook_due()
     event = decode_record(ctx.redis.hgetall(event_key))
-    if event.get("state") != "pending":
+    why = malformed(event) if event.get("state") == "pending" else None
+    if event.get("state") != "pending" or why:
+        if why:  # dropped for good, never raised into the consumer (it would come back every lease)
+            log.warning("webhook %s dropped: malformed event (%s)", event_id, why)
+            ctx.redis.hset(event_key, "state", "failed")
         ctx.redis.zrem(due, event_id)
-        return event.get("state", "missing")
-    number, started = int(event.get("attempts") or 0) + 1, now()
+        return "malformed" if why else event.get("state", "missing")
+    number, started = int(event["attempts"]) + 1, now()
     entry: dict[str, Any] = {"event_id": event_id, "type": event["type"], "attempt": number, "at": started,
                              "url": event["url"], "status_code": None, "error": ""}
     outcome = _send(ctx, event_id, event, entry)
@@ -271,22 +291,22 @@ def schedule_loop(app: Any, ctx: DeliveryContext, stop: threading.Event) -> None
 
 def make_delivery_app(ctx: DeliveryContext) -> Any:
     """The delivery worker's Celery app: one task, on the ``vlmq.webhooks`` queue."""
-    from kombu import Queue
+    from kombu.entity import Queue
 
     from vlmq.queue import make_celery
 
     app = make_celery(ctx.settings, name="vlmq-delivery")
-    app.conf.task_queues = [Queue(keys.WEBHOOK_QUEUE, routing_key=keys.WEBHOOK_QUEUE)]
+    app.conf.task_queues = [Queue(keys.WEBHOOK_QUEUE, routing_key=keys.WEBHOOK_QUEUE)]  # type: ignore[no-untyped-call]
     app.conf.worker_concurrency = ctx.settings.webhook_concurrency
     app.conf.worker_pool = "threads"
 
-    @app.task(name=DELIVER_TASK, acks_late=True)
     def deliver_webhook(event_id: str) -> str:
         if not isinstance(event_id, str) or not EVENT_ID_RE.fullmatch(event_id):
             log.warning("webhook task with a bad event id %r dropped", str(event_id)[:80])
             return "bad"
         return attempt(ctx, event_id)
 
+    app.task(name=DELIVER_TASK, acks_late=True)(deliver_webhook)
     return app
 
 

@@ -186,6 +186,17 @@ def test_the_guard_refuses_internal_targets_at_delivery(rds: Any, receiver: Call
     assert trap.requests == []
 
 
+def test_a_forged_event_is_dropped_and_delivery_carries_on(rds: Any, receiver: Callable[..., Receiver]) -> None:
+    forged = "evt_" + "f" * 32
+    rds.hset(keys.webhook_event(forged), mapping={"type": "job.pwned", "url": "http://127.0.0.1:9/", "subject": "x",
+                                                  "attempts": "0", "state": "pending", "created_at": "0"})
+    rds.zadd(keys.webhook_due(), {forged: 0})
+    r = receiver()
+    webhooks.enqueue_event(rds, "batch.completed", {"id": "batch_after_forged"}, r.url)
+    assert wait_attempts(rds, "batch_after_forged", settled)[-1]["outcome"] == "delivered"
+    assert state(rds, forged) == "failed" and rds.zscore(keys.webhook_due(), forged) is None
+
+
 @pytest.fixture
 def gpu(delivery: Settings) -> Iterator[WorkerContext]:
     """The GPU worker's job adapter in this process, with an echo backend instead of a model."""

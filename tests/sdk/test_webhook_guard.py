@@ -1,7 +1,10 @@
 """The webhook address guard: what submit refuses, and what a name must resolve to at delivery time."""
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -110,3 +113,10 @@ def test_webhook_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="whsec_"):
         parse_secrets("whsec_short")
     assert len(parse_secrets("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw whsec_dGVzdHNlY3JldHRlc3RzZWNyZXQ=")) == 2
+
+
+def test_the_delivery_worker_will_not_start_without_a_secret() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
+    run = subprocess.run([sys.executable, "-m", "vlmq.cli", "delivery"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode != 0 and "VLMQ_WEBHOOK_SECRETS" in run.stderr
