@@ -6,6 +6,7 @@ retry schedule is compressed to 0.4, 0.8 and 1.6 s and the timeout to 1 s.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import time
@@ -296,3 +297,25 @@ def test_a_slow_receiver_leaves_job_throughput_unchanged(redis_url: str, tmp_pat
         gpu_worker.stop()
         sender.proc.kill()  # its requests are still held by the receiver; nothing to wait for
         sender.proc.wait()
+
+
+def test_a_large_result_goes_by_presigned_url_on_s3(delivery: Settings, rds: Any, s3_server: Any,
+                                                    s3_storage_url: str) -> None:
+    import urllib.request
+
+    from vlmq.delivery import DeliveryContext, job_data
+    from vlmq.jobs import new_job_id
+    from vlmq.storage import open_storage
+
+    settings = dataclasses.replace(delivery, storage_url=s3_storage_url, s3_endpoint_url=s3_server.url)
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    ctx = DeliveryContext(settings, rds, storage, [NEW_SECRET])
+    small, large = new_job_id(), new_job_id()
+    for job_id, size in ((small, 10), (large, 5000)):
+        rds.hset(keys.job(job_id), mapping={"id": job_id, "status": "finished"})
+        storage.put(keys.result_object(job_id), json.dumps({"job_id": job_id, "text": "x" * size}).encode())
+    assert job_data(ctx, small, "job.finished")["result"]["text"] == "x" * 10
+    data = job_data(ctx, large, "job.finished")
+    assert data["result"] is None and data["result_key"] == keys.result_object(large)
+    with urllib.request.urlopen(data["result_url"], timeout=10) as response:  # no credentials: the URL carries them
+        assert json.loads(response.read())["text"] == "x" * 5000
