@@ -190,14 +190,14 @@ class Client:
     def _prepare(self, request: JobRequest) -> _Prepared:
         spec = self._check_params(request.prompt, request.model, request.max_new_tokens, request.priority,
                                   request.idempotency_key)
+        webhook = self.settings.webhook_url if request.webhook is None else request.webhook
+        if webhook:
+            check_webhook(webhook, self.settings.webhook_allow)
         image = request.image
         data = self._read_storage_uri(image) if isinstance(image, str) and is_storage_url(image) else \
             load_source(image, self._limits)
         info = probe(data, self._limits)
         cost = estimate(info.width, info.height, spec.policy, cost_classes(self.settings))
-        webhook = self.settings.webhook_url if request.webhook is None else request.webhook
-        if webhook:
-            check_webhook(webhook, self.settings.webhook_allow)
         return _Prepared(request, spec, data, info, hashlib.sha256(data).hexdigest(), cost, webhook)
 
     def _read_storage_uri(self, uri: str) -> bytes:

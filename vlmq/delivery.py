@@ -19,7 +19,6 @@ happens here, so a slow or dead receiver never holds a GPU worker.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import http.client
 import json
 import logging
@@ -142,10 +141,6 @@ def post(url: str, headers: dict[str, str], data: bytes, *, timeout: float, allo
         conn.close()
 
 
-def url_digest(url: str) -> str:
-    return hashlib.sha256(url.encode()).hexdigest()[:32]
-
-
 def job_data(ctx: DeliveryContext, job_id: str, event_type: str) -> dict[str, Any]:
     """A job event's ``data``: id, status, result (inline when small, else ``result_url``/``result_key``), error."""
     record = read(ctx.redis, job_id)
@@ -179,7 +174,7 @@ def _body_text(ctx: DeliveryContext, event_id: str, event: dict[str, str]) -> st
 def _send(ctx: DeliveryContext, event_id: str, event: dict[str, str], entry: dict[str, Any]) -> str:
     """One attempt; fills ``entry`` and returns ``delivered``, ``disabled``, ``refused`` or ``error``."""
     url = event["url"]
-    if ctx.redis.exists(keys.webhook_disabled(url_digest(url))):
+    if ctx.redis.exists(keys.webhook_disabled(webhooks.url_digest(url))):
         entry["error"] = "endpoint disabled: it answered 410 Gone to an earlier event"
         return "disabled"
     try:
@@ -197,7 +192,7 @@ def _send(ctx: DeliveryContext, event_id: str, event: dict[str, str], entry: dic
     if 200 <= reply.status < 300:
         return "delivered"
     if reply.status == 410:
-        ctx.redis.set(keys.webhook_disabled(url_digest(url)), "410", ex=ctx.settings.job_ttl)
+        ctx.redis.set(keys.webhook_disabled(webhooks.url_digest(url)), "410", ex=ctx.settings.job_ttl)
         entry["error"] = "410 Gone: endpoint disabled"
         return "disabled"
     if 300 <= reply.status < 400:

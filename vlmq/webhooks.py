@@ -146,6 +146,20 @@ def verify(secret: str, data: bytes | str, headers: Mapping[str, str]) -> Any:
     return Webhook(secret).verify(data, dict(headers))
 
 
+def url_digest(url: str) -> str:
+    """Names an endpoint in Redis keys (``keys.webhook_disabled``)."""
+    return hashlib.sha256(url.encode()).hexdigest()[:32]
+
+
+def enable_endpoint(redis: Any, url: str) -> bool:
+    """Resume deliveries to an endpoint disabled by a 410 Gone (events recorded ``disabled`` meanwhile stay so).
+
+    Returns:
+        Whether it was disabled.
+    """
+    return bool(redis.delete(keys.webhook_disabled(url_digest(url))))
+
+
 def record_attempt(redis: Any, subject: str, entry: Mapping[str, Any], ttl: int) -> None:
     """Append one attempt to the subject's delivery list (bounded to the newest :data:`MAX_DELIVERIES`)."""
     key = keys.deliveries(subject)

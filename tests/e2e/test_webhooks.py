@@ -143,6 +143,10 @@ def test_410_disables_the_endpoint(rds: Any, receiver: Callable[..., Receiver]) 
     later = wait_attempts(rds, "batch_gone2", settled)
     assert [(a["outcome"], a["status_code"]) for a in later] == [("disabled", None)]
     assert "410" in later[0]["error"] and len(r.requests) == 1  # the second event never reached the endpoint
+    r.default = Answer(200)  # the endpoint is back, and its owner enables it again
+    assert webhooks.enable_endpoint(rds, r.url)
+    webhooks.enqueue_event(rds, "batch.completed", {"id": "batch_gone3"}, r.url)
+    assert [a["outcome"] for a in wait_attempts(rds, "batch_gone3", settled)] == ["delivered"]
 
 
 def test_a_receiver_down_for_a_while_gets_every_event(rds: Any, receiver: Callable[..., Receiver]) -> None:
