@@ -1,4 +1,4 @@
-"""The ``vlmq`` command: demo, worker, cost, submit, status, result, acl."""
+"""The ``vlmq`` command: demo, worker, delivery, cost, submit, status, result, acl."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,12 @@ def _worker(args: argparse.Namespace) -> int:
     return int(main_from_args(args))
 
 
+def _delivery(args: argparse.Namespace) -> int:
+    from vlmq.delivery import main_from_args
+
+    return main_from_args(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from vlmq.demo import run_demo
 
@@ -40,7 +46,7 @@ def _submit(args: argparse.Namespace) -> int:
 
     with Client.from_env() as client:
         job = client.submit(args.image, args.prompt, model=args.model, max_new_tokens=args.max_new_tokens,
-                            priority=args.priority, idempotency_key=args.idempotency_key)
+                            priority=args.priority, idempotency_key=args.idempotency_key, webhook=args.webhook)
         if not args.wait:
             print(job.id)
             return 0
@@ -97,10 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the storage folder afterwards")
     p.set_defaults(func=_demo)
     p = sub.add_parser("worker", help="run a worker (one process per GPU with --gpus)")
-    from vlmq.worker_args import add_worker_arguments
+    from vlmq.worker_args import add_delivery_arguments, add_worker_arguments
 
     add_worker_arguments(p)
     p.set_defaults(func=_worker)
+    p = sub.add_parser("delivery", help="run a webhook delivery worker (CPU only; needs VLMQ_WEBHOOK_SECRETS)")
+    add_delivery_arguments(p)
+    p.set_defaults(func=_delivery)
     p = sub.add_parser("cost", help="print the vision-token cost of images from their headers")
     p.add_argument("images", nargs="+")
     p.add_argument("--model", default="tiny-shapes")
@@ -112,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--priority", type=int, default=5)
     p.add_argument("--idempotency-key")
+    p.add_argument("--webhook", help="http(s) URL told when the job ends (default VLMQ_WEBHOOK_URL)")
     p.add_argument("--wait", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=_submit)

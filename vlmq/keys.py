@@ -72,6 +72,36 @@ def result_guard(job_id: str) -> str:
     return f"{PREFIX}result-owner:{job_id}"
 
 
+def deliveries(subject: str) -> str:
+    """List of webhook delivery attempts (JSON, newest last, bounded, with a TTL) of a job or batch.
+
+    Written by delivery workers (``vlmq.delivery``); read by ``Job.deliveries()``.
+    """
+    return f"{PREFIX}deliveries:{subject}"
+
+
+WEBHOOK_QUEUE = "vlmq.webhooks"  # the Celery queue delivery workers consume (``vlmq delivery``)
+
+
+def webhook_event(event_id: str) -> str:
+    """Hash of one webhook event: URL, type, subject, body, attempts, state.
+
+    Written by ``vlmq.webhooks.enqueue_event`` (GPU workers, the batch code) and delivery workers; read by
+    delivery workers.
+    """
+    return f"{PREFIX}webhook:event:{event_id}"
+
+
+def webhook_due() -> str:
+    """Sorted set event id -> when its next attempt is due; the delivery workers' schedule (and outbox)."""
+    return f"{PREFIX}webhook:due"
+
+
+def webhook_disabled(url_digest: str) -> str:
+    """Flag set when an endpoint answered 410 Gone: no more deliveries to it (delivery workers)."""
+    return f"{PREFIX}webhook:disabled:{url_digest}"
+
+
 def queue(model: str, cost_class: str) -> str:
     """Celery queue name for a model and cost class."""
     return f"vlmq.{model}.{cost_class}"
@@ -106,7 +136,7 @@ def tenant_key_patterns(tenant: str) -> list[str]:
     ``.`` cannot occur in a tenant id, so ``acme.*`` never matches another tenant's ``acme-2.<hex>``.
     """
     ids = tenant_job_id(check_tenant(tenant), "*")
-    return [job(ids), done(ids), canceled(ids), idempotency("*", tenant)]
+    return [job(ids), done(ids), canceled(ids), idempotency("*", tenant), deliveries(ids)]
 
 
 def queue_pattern() -> str:

@@ -73,6 +73,10 @@ class Storage(ABC):
             ObjectTooLarge: the object holds more than ``max_bytes`` bytes.
         """
 
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        """A URL that reads the object without credentials for ``expires`` seconds (None where the store has none)."""
+        return None
+
     def read_uri(self, uri: str, max_bytes: int) -> bytes:
         """Read the object a URI names in this store (``s3://bucket/prefix/key``, ``file:///dir/key``).
 
@@ -299,6 +303,11 @@ class S3Storage(Storage):
                         yield key
         except (BotoCoreError, ClientError) as e:
             raise BackendError(f"object store {self.url} failed listing {prefix}: {e}") from e
+
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        return str(self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket,
+                                                                            "Key": self._key(key)},
+                                                      ExpiresIn=expires))
 
     def key_of(self, uri: str) -> str:
         bucket, key = split_uri(uri)

@@ -8,7 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from vlmq import keys, records, rules
+import redis as redis_lib
+
+from vlmq import keys, records, rules, webhooks
 from vlmq.errors import BackendError, InvalidRequest, JobFailed
 from vlmq.images import ImageLimits
 from vlmq.jobs import JobStatus, now
@@ -47,6 +49,16 @@ def hand_back(ctx: WorkerContext, job_id: str) -> None:
 
 def run_job(ctx: WorkerContext, job_id: str) -> str:
     """Serve one job end to end; returns the final status. Never raises for a job's own fault."""
+    status = _run_job(ctx, job_id)
+    if status in _FINAL:  # its webhook event, if any: queued (idempotently) for the delivery workers, never sent here
+        try:
+            webhooks.job_ended(ctx.redis, job_id, ctx.settings.job_ttl)
+        except redis_lib.RedisError as e:  # requeued: the redelivery finds the job ended and queues the event again
+            raise HandBack(f"could not queue job {job_id}'s webhook event: {e}") from e
+    return status
+
+
+def _run_job(ctx: WorkerContext, job_id: str) -> str:
     record = records.read(ctx.redis, job_id)
     if not record:
         log.warning("job %s: no record; dropping its message", job_id)
