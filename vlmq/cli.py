@@ -1,4 +1,4 @@
-"""The ``vlmq`` command: demo, worker, cost, submit, status, result, acl."""
+"""The ``vlmq`` command: demo, up, worker, top, cost, submit, status, result, acl."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,13 @@ def _demo(args: argparse.Namespace) -> int:
     from vlmq.demo import run_demo
 
     return run_demo(num_jobs=args.jobs, keep=args.keep)
+
+
+def _top(args: argparse.Namespace) -> int:
+    from vlmq.fleet import run_top
+    from vlmq.settings import Settings
+
+    return run_top(Settings.from_env(), args.interval, args.once)
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -101,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_worker_arguments(p)
     p.set_defaults(func=_worker)
+    p = sub.add_parser("top", help="a live view of the pool: queue depths per class, workers, throughput")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--once", action="store_true", help="print one screen and exit")
+    p.set_defaults(func=_top)
     p = sub.add_parser("cost", help="print the vision-token cost of images from their headers")
     p.add_argument("images", nargs="+")
     p.add_argument("--model", default="tiny-shapes")

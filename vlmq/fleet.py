@@ -115,3 +115,29 @@ def render_top(queues: Sequence[QueueStats], workers: Mapping[str, Mapping[str, 
                      f"{w['held_cost'] + '/' + w['budget']:>13} {w['finished']:>6} {w['failed']:>6} "
                      f"{_rate(w, before, 'prompt_tokens'):>9} {_rate(w, before, 'generated_tokens'):>9}")
     return "\n".join(lines) + "\n"
+
+
+def watched_queues(settings: Any, workers: Mapping[str, Mapping[str, str]]) -> list[tuple[str, str]]:
+    """(model, cost class) of every configured or served model, for every configured class."""
+    from vlmq.models import BUNDLED_MODEL, cost_classes
+
+    models = dict.fromkeys([BUNDLED_MODEL, *settings.models, *(w["model"] for w in workers.values())])
+    return [(m, c) for m in models for c in cost_classes(settings).names]
+
+
+def run_top(settings: Any, interval: float = 2.0, once: bool = False) -> int:
+    """``vlmq top``: redraw the screen every ``interval`` s until Ctrl-C (``once``: print one screen)."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3)
+    previous: dict[str, dict[str, str]] | None = None
+    while True:
+        workers = worker_statuses(client)
+        screen = render_top(queue_stats(client, watched_queues(settings, workers)), workers, previous)
+        if once:
+            print(screen, end="")
+            return 0
+        print(f"\x1b[H\x1b[2Jvlmq top  {settings.broker_url}  {time.strftime('%H:%M:%S')}\n\n{screen}", end="",
+              flush=True)
+        previous = {name: dict(w) for name, w in workers.items()}
+        time.sleep(interval)
