@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -31,11 +32,15 @@ def load_samples() -> list[tuple[bytes, str, str, str]]:
     return [((root / s["file"]).read_bytes(), s["file"], s["prompt"], s.get("expected", "")) for s in manifest]
 
 
-def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
-    """One CPU worker process for the bundled model, logging to ``log_path``."""
+def start_worker(settings: Settings, log_path: Path,
+                 args: Sequence[str] = ("--model", "tiny-shapes")) -> subprocess.Popen[bytes]:
+    """A worker process (``vlmq worker ARGS``; by default one for the bundled model), logging to ``log_path``.
+
+    It runs in its own session: Ctrl-C in the terminal reaches only the command that started it, which stops it.
+    """
     env = {**os.environ, **settings.to_env()}
     with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "vlmq.workers.main", "--model", "tiny-shapes"], env=env,
+        return subprocess.Popen([sys.executable, "-m", "vlmq.workers.main", *args], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 

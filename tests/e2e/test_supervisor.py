@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from test_pool import png
-from workerproc import TINY_CLASSES
+from workerproc import TINY_CLASSES, alive
 
 from vlmq.client import Client
 from vlmq.settings import Settings
@@ -28,14 +28,6 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, log: Path) 
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-4000:]}"
         time.sleep(0.1)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_killed_gpu_worker_is_restarted_and_loses_no_job(redis_url: str, tmp_path: Path) -> None:
