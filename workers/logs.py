@@ -53,3 +53,4 @@ def configure(log_format: str, worker: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    logging.captureWarnings(True)  # Python warnings become log lines too (JSON ones with --log-format json)

@@ -1,4 +1,5 @@
-"""A real worker's /metrics move as its jobs move, its probes answer, and Flower lists its tasks (task events on)."""
+"""A real worker's /metrics move as its jobs move, its probes answer, Flower lists its tasks (task events on), and
+its JSON log lines name each job's id, model, class, worker and phase (--log-format json)."""
 from __future__ import annotations
 
 import json
@@ -77,20 +78,21 @@ def flower(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def worker(redis_url: str, flower: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, str]]:
+def worker(redis_url: str, flower: str,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, str, WorkerProcess]]:
     folder = tmp_path_factory.mktemp("metrics")
     settings = Settings(broker_url=redis_url, storage_url=f"file://{folder / 'storage'}", cost_classes=TINY_CLASSES,
                         worker_batch=2, metrics_port=free_port(), task_events=True)
-    proc = WorkerProcess(settings, Path(folder / "worker.log"))
+    proc = WorkerProcess(settings, Path(folder / "worker.log"), "--log-format", "json")
     try:
         proc.wait_ready()
-        yield settings, f"http://127.0.0.1:{settings.metrics_port}"
+        yield settings, f"http://127.0.0.1:{settings.metrics_port}", proc
     finally:
         proc.stop()
 
 
-def test_metrics_move_as_jobs_move(worker: tuple[Settings, str]) -> None:
-    settings, url = worker
+def test_metrics_move_as_jobs_move(worker: tuple[Settings, str, WorkerProcess]) -> None:
+    settings, url, _ = worker
     assert get(f"{url}/healthz") == (200, "ok\n") and get(f"{url}/readyz") == (200, "ok\n")
     assert get(f"{url}/nothing-here")[0] == 404
     before = scrape(url)
@@ -133,8 +135,8 @@ def test_metrics_move_as_jobs_move(worker: tuple[Settings, str]) -> None:
     assert value(after, "vlmq_worker_info", model=model, device="cpu") == 1
 
 
-def test_flower_lists_the_workers_tasks(worker: tuple[Settings, str], flower: str) -> None:
-    settings, _ = worker
+def test_flower_lists_the_workers_tasks(worker: tuple[Settings, str, WorkerProcess], flower: str) -> None:
+    settings, _, _ = worker
     with Client(settings=settings) as client:
         job = client.submit(png(64, 64, 99), PROMPT, max_new_tokens=4)
         job.result(timeout=120)
@@ -146,3 +148,17 @@ def test_flower_lists_the_workers_tasks(worker: tuple[Settings, str], flower: st
 
     task = wait_for(listed, 30, f"Flower to list the task of job {job.id}")
     assert task["name"] == "vlmq.run_job" and task["worker"].endswith("@vlmq")
+
+
+def test_json_logs_name_the_job_model_class_worker_and_phase(worker: tuple[Settings, str, WorkerProcess]) -> None:
+    settings, _, proc = worker
+    with Client(settings=settings) as client:
+        job = client.submit(png(64, 64, 7), PROMPT, max_new_tokens=4)
+        job.result(timeout=120)
+        info = job.info()
+    lines = [line for line in proc.log().splitlines() if job.id in line]
+    docs = [json.loads(line) for line in lines]  # every line about the job is one JSON object
+    assert {d["job_id"] for d in docs} == {job.id}
+    assert {(d["model"], d["class"], d["worker"]) for d in docs} == {(info["model"], info["cost_class"],
+                                                                      info["worker"])}
+    assert [d["phase"] for d in docs if "phase" in d] == ["started", "finished"]
