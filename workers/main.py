@@ -98,9 +98,10 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     for cost_class in served:
         log.info("cost gate: %s", explain_class_cost(spec, cost_class, settings))
     _start_reporting(ctx, budget, [(spec.name, c) for c in served])
+    # event heartbeats only with task events on (Flower shows the worker online); otherwise no event traffic
+    heartbeat = [] if settings.task_events else ["--without-heartbeat"]
     app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
-                     "--without-mingle", "--without-heartbeat", "--pool", "threads",
-                     "--concurrency", str(settings.worker_batch)])
+                     "--without-mingle", *heartbeat, "--pool", "threads", "--concurrency", str(settings.worker_batch)])
 
 
 def _start_reporting(ctx: Any, budget: Any, pairs: list[tuple[str, str]]) -> None:

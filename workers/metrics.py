@@ -14,13 +14,14 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vlmq.fleet import queue_stats
 
 log = logging.getLogger(__name__)
+disable_created_metrics()  # no *_created series: restarts show as counter resets anyway
 REGISTRY = CollectorRegistry()
 LABELS = ("model", "cost_class")
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
