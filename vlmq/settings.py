@@ -128,6 +128,9 @@ class Settings:
     worker_batch: int = _setting(16, WORKER, "most jobs it holds at once")
     worker_classes: str = _setting("", WORKER, "cost classes it consumes, e.g. `xs,s`",
                                    shown="all that fit its budget")
+    retention: int = _setting(0, WORKER, "seconds `inputs/` and `results/` objects are kept; workers delete older "
+                              "ones (inputs of queued or running jobs excepted), one sweep per fleet per period",
+                              shown="`0` (keep forever)")
     backend: str = _setting(BACKENDS[0], WORKER, "`engine` (the vlmq engine) or `hf` (plain transformers "
                             "`generate`)")
     device: str = _setting("cpu", WORKER, "`cpu`, `cuda` or `cuda:N`")
@@ -136,7 +139,8 @@ class Settings:
     metrics_port: int = _setting(0, WORKER, "port of the worker's `/metrics` (Prometheus), `/healthz` and "
                                  "`/readyz`; with `--gpus` the worker of the N-th GPU listens on port + N",
                                  shown="`0` (off)")
-    task_events: bool = _setting(False, WORKER, "`1`: send Celery task events (for Flower)", shown="`0`",
+    worker_events: bool = _setting(False, WORKER, "`1`: send Celery task events and event heartbeats (for Flower)",
+                                   shown="`0`",
                                  parse=_flag, to_text=lambda on: "1" if on else "0")
     log_format: str = _setting(LOG_FORMATS[0], WORKER, "`text`, or `json`: one JSON object per line with job id, "
                                "model, class, worker and phase")
@@ -153,8 +157,8 @@ class Settings:
             raise ValueError(f"storage_url must be s3://bucket/prefix or file:///dir, got {self.storage_url!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.shutdown_grace < 0 or self.storage_retry < 0:
-            raise ValueError("shutdown_grace and storage_retry must not be negative")
+        if min(self.shutdown_grace, self.storage_retry, self.retention) < 0:
+            raise ValueError("shutdown_grace, storage_retry and retention must not be negative")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be a TCP port (0 = off), got {self.metrics_port}")
         if self.log_format not in LOG_FORMATS:

@@ -79,10 +79,11 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.costgate import CostBudget, explain_class_cost
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
+    from vlmq.workers.retention import start_sweeper
 
-    check_device(settings.device)
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
     spec = resolve_model(model, settings)
+    check_device(settings.device)
     budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
                         settings.worker_batch)
     name = name or default_name()
@@ -92,6 +93,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
                         Batcher(backend, settings.worker_batch), spec.name, name)
     app = make_worker_app(settings, ctx, budget)
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
+    start_sweeper(settings, ctx.redis, ctx.storage, name)
     log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
              settings.backend, list(budget.queue_costs))
     served = [c for c in cost_classes(settings).names if keys.queue(spec.name, c) in budget.queue_costs]
@@ -99,7 +101,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
         log.info("cost gate: %s", explain_class_cost(spec, cost_class, settings))
     _start_reporting(ctx, budget, [(spec.name, c) for c in served])
     # event heartbeats only with task events on (Flower shows the worker online); otherwise no event traffic
-    heartbeat = [] if settings.task_events else ["--without-heartbeat"]
+    heartbeat = [] if settings.worker_events else ["--without-heartbeat"]
     app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
                      "--without-mingle", *heartbeat, "--pool", "threads", "--concurrency", str(settings.worker_batch)])
 
@@ -131,9 +133,9 @@ def _gpu_ids(gpus: str, fake: list[str]) -> list[str]:
         if unknown := [g for g in ids if g not in fake]:
             raise SystemExit(f"vlmq worker: --gpus names {','.join(unknown)}, not in VLMQ_FAKE_GPUS={','.join(fake)}")
         return ids
-    check_device("cuda")
-    if gpus != "all":
+    if gpus != "all":  # named ids are checked by each child (and a child that cannot start is given up)
         return _split(gpus)
+    check_device("cuda")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:
         return _split(visible)

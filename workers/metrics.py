@@ -23,7 +23,7 @@ from vlmq.fleet import queue_stats
 log = logging.getLogger(__name__)
 disable_created_metrics()  # no *_created series: restarts show as counter resets anyway
 REGISTRY = CollectorRegistry()
-LABELS = ("model", "cost_class")
+LABELS = ("model", "class")
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 STALL_S = 300.0  # the step loop counts as dead when it has not come round for this long
 
@@ -75,16 +75,9 @@ def job_ended(model: str, cost_class: str, status: str, error_type: str = "") ->
             TOTALS.failed += 1
 
 
-# EngineStats field -> (metric name, help); they count up from the engine's start (a fresh engine adds on)
-ENGINE_COUNTERS = {
-    "num_steps": ("vlmq_engine_steps", "Engine steps"),
-    "num_preemptions": ("vlmq_engine_preemptions", "Sequences preempted for KV room"),
-    "encoder_cache_hits": ("vlmq_encoder_cache_hits", "Images served from the encoder cache"),
-    "encoder_cache_misses": ("vlmq_encoder_cache_misses", "Images the vision encoder had to run on"),
-    "prefix_cache_hit_tokens": ("vlmq_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix "
-                                "cache"),
-    "prefix_cache_query_tokens": ("vlmq_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
-}
+# the EngineStats fields exported; they count up from the engine's start (a fresh engine adds on)
+ENGINE_COUNTERS = ("num_steps", "num_preemptions", "encoder_cache_hits", "encoder_cache_misses",
+                   "prefix_cache_hit_tokens", "prefix_cache_query_tokens")
 
 
 class EngineCounters:
@@ -110,19 +103,20 @@ class WorkerCollector(Collector):
         self.ctx, self.queue_costs, self.pairs, self.budget = ctx, queue_costs, list(pairs), budget
         self.held_queues = held_queues
         self.engine_counters = EngineCounters()
+        self.model = ctx.model
 
     def collect(self) -> Iterator[Any]:
         yield from self._queues()
         yield from self._batch()
         yield from self._engine()
-        yield from _gpu_memory(self.ctx.settings.device)
+        yield from _gpu_memory(self.model, self.ctx.settings.device)
         info = GaugeMetricFamily("vlmq_worker_info", "This worker (value 1)", labels=["worker", "model", "device",
                                                                                        "backend"])
         s = self.ctx.settings
-        info.add_metric([self.ctx.name, self.ctx.model, s.device, s.backend], 1)
+        info.add_metric([self.ctx.name, self.model, s.device, s.backend], 1)
         yield info
-        yield GaugeMetricFamily("vlmq_worker_step_loop_age_seconds", "Seconds since the model step loop last came "
-                                "round (/healthz fails past 300)", value=self.ctx.batcher.loop_age())
+        yield _gauge("vlmq_worker_step_loop_age_seconds", "Seconds since the model step loop last came round "
+                     "(/healthz fails past 300)", self.model, self.ctx.batcher.loop_age())
 
     def _queues(self) -> Iterator[Any]:
         depth = GaugeMetricFamily("vlmq_queue_depth", "Jobs waiting in a queue (every priority step)", labels=LABELS)
@@ -144,23 +138,42 @@ class WorkerCollector(Collector):
     def _batch(self) -> Iterator[Any]:
         held = self.held_queues()
         cost = sum(self.queue_costs.get(q, 0) for q in held)
-        yield GaugeMetricFamily("vlmq_worker_jobs_held", "Jobs this worker holds (running or waiting for the model)",
-                                value=len(held))
-        yield GaugeMetricFamily("vlmq_worker_batch_cost_tokens", "Sum of the class cost bounds of the held jobs",
-                                value=cost)
-        yield GaugeMetricFamily("vlmq_worker_batch_budget_tokens", "The worker's cost budget (VLMQ_WORKER_BUDGET)",
-                                value=self.budget)
+        for name, text, value in (("vlmq_jobs_running", "Jobs this worker holds (running or waiting for the model)",
+                                   len(held)),
+                                  ("vlmq_batch_cost_tokens", "Sum of the class cost bounds of the held jobs", cost),
+                                  ("vlmq_batch_budget_tokens", "The worker's cost budget (VLMQ_WORKER_BUDGET)",
+                                   self.budget)):
+            yield _gauge(name, text, self.model, value)
 
     def _engine(self) -> Iterator[Any]:
         engine = getattr(self.ctx.batcher.backend, "engine", None)
         if engine is None:  # the hf backend keeps no counters
             return
-        for field, value in self.engine_counters.read(engine).items():
-            name, text = ENGINE_COUNTERS[field]
-            yield CounterMetricFamily(name, text, value=value)
+        c = self.engine_counters.read(engine)
+        m = [self.model]
+        steps = CounterMetricFamily("vlmq_engine_steps", "Engine steps", labels=["model"])
+        steps.add_metric(m, c["num_steps"])
+        preempted = CounterMetricFamily("vlmq_preemptions", "Sequences preempted for KV room (recomputed later)",
+                                        labels=["model"])
+        preempted.add_metric(m, c["num_preemptions"])
+        # encoder: images (a hit was encoded for another request); prefix: prompt tokens (a hit reused cached KV)
+        lookups = CounterMetricFamily("vlmq_cache_lookups", "Cache lookups: images (encoder), prompt tokens (prefix)",
+                                      labels=["model", "cache"])
+        hits = CounterMetricFamily("vlmq_cache_hits", "Lookups that hit", labels=["model", "cache"])
+        lookups.add_metric([*m, "encoder"], c["encoder_cache_hits"] + c["encoder_cache_misses"])
+        hits.add_metric([*m, "encoder"], c["encoder_cache_hits"])
+        lookups.add_metric([*m, "prefix"], c["prefix_cache_query_tokens"])
+        hits.add_metric([*m, "prefix"], c["prefix_cache_hit_tokens"])
+        yield from (steps, preempted, lookups, hits)
 
 
-def _gpu_memory(device: str) -> Iterator[Any]:
+def _gauge(name: str, text: str, model: str, value: float) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(name, text, labels=["model"])
+    gauge.add_metric([model], value)
+    return gauge
+
+
+def _gpu_memory(model: str, device: str) -> Iterator[Any]:
     if not device.startswith("cuda"):
         return
     import torch
@@ -173,7 +186,9 @@ def _gpu_memory(device: str) -> Iterator[Any]:
                                torch.cuda.memory_reserved(device)),
                               ("used", "Bytes in use on the device (every process)", total - free),
                               ("total", "Bytes of device memory", total)):
-        yield GaugeMetricFamily(f"vlmq_gpu_memory_{name}_bytes", text, value=value)
+        gauge = GaugeMetricFamily(f"vlmq_gpu_memory_{name}_bytes", text, labels=["model", "device"])
+        gauge.add_metric([model, device], value)
+        yield gauge
 
 
 class Health:

@@ -24,6 +24,8 @@ from vlmq.embedded import free_port, wait_for_port
 from vlmq.errors import JobFailed
 from vlmq.settings import Settings
 
+METRICS_LIST = Path(__file__).resolve().parents[2] / "infra" / "metrics.txt"  # the contract with the dashboard
+
 pytestmark = pytest.mark.slow
 PROMPT = "Describe the image."
 T = TypeVar("T")
@@ -82,7 +84,7 @@ def worker(redis_url: str, flower: str,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, str, WorkerProcess]]:
     folder = tmp_path_factory.mktemp("metrics")
     settings = Settings(broker_url=redis_url, storage_url=f"file://{folder / 'storage'}", cost_classes=TINY_CLASSES,
-                        worker_batch=2, metrics_port=free_port(), task_events=True)
+                        worker_batch=2, metrics_port=free_port(), worker_events=True)
     proc = WorkerProcess(settings, Path(folder / "worker.log"), "--log-format", "json")
     try:
         proc.wait_ready()
@@ -101,16 +103,16 @@ def test_metrics_move_as_jobs_move(worker: tuple[Settings, str, WorkerProcess]) 
         bad = client.submit(inputs.corrupt_png_data(), PROMPT)  # passes the SDK's header probe, fails on the worker
         info = jobs[0].info()
         model, cost_class = info["model"], info["cost_class"]
-        q = {"model": model, "cost_class": cost_class}
+        q = {"model": model, "class": cost_class}
 
         def busy() -> dict[Any, float] | None:  # two held, the rest waiting, the oldest some time old
             s = scrape(url)
             ok = (value(s, "vlmq_queue_depth", **q) >= 1 and value(s, "vlmq_queue_unacked", **q) >= 1
-                  and value(s, "vlmq_worker_jobs_held") >= 1 and value(s, "vlmq_queue_oldest_age_seconds", **q) > 0)
+                  and value(s, "vlmq_jobs_running") >= 1 and value(s, "vlmq_queue_oldest_age_seconds", **q) > 0)
             return s if ok else None
 
         during = wait_for(busy, 60, "a scrape with jobs waiting and held")
-        assert value(during, "vlmq_worker_batch_cost_tokens") > 0
+        assert value(during, "vlmq_batch_cost_tokens", model=model) > 0
         for job in jobs:
             assert len(job.result(timeout=180).token_ids) == 32
         with pytest.raises(JobFailed):
@@ -127,12 +129,32 @@ def test_metrics_move_as_jobs_move(worker: tuple[Settings, str, WorkerProcess]) 
     assert moved("vlmq_time_to_first_token_seconds_sum", **q) < moved("vlmq_job_latency_seconds_sum", **q)
     assert moved("vlmq_generated_tokens_total", **q) == 6 * 32
     assert moved("vlmq_prompt_tokens_total", **q) > 6 * int(info["vision_tokens"])
-    assert moved("vlmq_encoder_cache_hits_total") + moved("vlmq_encoder_cache_misses_total") >= 6
-    assert moved("vlmq_engine_steps_total") >= 32
+    assert moved("vlmq_cache_lookups_total", model=model, cache="encoder") >= 6  # one per image
+    assert moved("vlmq_cache_lookups_total", model=model, cache="prefix") >= moved("vlmq_prompt_tokens_total", **q)
+    assert moved("vlmq_engine_steps_total", model=model) >= 32
     assert value(after, "vlmq_queue_depth", **q) == 0 and value(after, "vlmq_queue_unacked", **q) == 0
-    assert value(after, "vlmq_worker_jobs_held") == 0
-    assert value(after, "vlmq_worker_batch_budget_tokens") == settings.worker_budget
+    assert value(after, "vlmq_jobs_running", model=model) == 0
+    assert value(after, "vlmq_batch_budget_tokens", model=model) == settings.worker_budget
     assert value(after, "vlmq_worker_info", model=model, device="cpu") == 1
+
+
+def test_the_worker_exports_exactly_the_listed_series_with_their_labels(worker) -> None:
+    settings, url, _ = worker
+    with Client(settings=settings) as client:  # a job gives every labelled series its first sample
+        client.submit(png(64, 64, 5), PROMPT, max_new_tokens=4).result(timeout=120)
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+    listed = {}
+    for line in METRICS_LIST.read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        name, kind, labels, meaning = line.split("\t")
+        if "absent on CPU" not in meaning and "not exported yet" not in meaning:
+            listed[name.removesuffix("_total") if kind == "counter" else name] = (kind, set(labels.split(",")))
+    assert {n for n in families if n.startswith("vlmq_")} == set(listed)
+    for name, (kind, labels) in listed.items():
+        assert families[name].type == kind, name
+        assert {frozenset(s.labels) - {"le"} for s in families[name].samples} == {frozenset(labels)}, name
 
 
 def test_flower_lists_the_workers_tasks(worker: tuple[Settings, str, WorkerProcess], flower: str) -> None:

@@ -58,6 +58,7 @@ def test_queue_stats_count_waiting_and_unacked_jobs_and_the_oldest_age(redis_url
 
 def test_vlmq_top_once_prints_live_workers(redis_url, redis_client, monkeypatch, capsys) -> None:
     redis_client.hset(keys.worker_status("host:7"), mapping=worker(at=time.time()))
+    redis_client.expire(keys.worker_status("host:7"), 60)  # as workers write it
     assert set(worker_statuses(redis_client)) == {"host:7"}
     monkeypatch.setenv("VLMQ_BROKER_URL", redis_url)
     assert main(["top", "--once"]) == 0
