@@ -13,9 +13,6 @@ from typing import Any
 
 from vlmq import keys
 
-WORKER_FIELDS = ("model", "device", "queues", "held", "held_cost", "budget", "finished", "failed",
-                 "prompt_tokens", "generated_tokens", "started_at", "updated_at")
-
 
 @dataclass(slots=True)
 class QueueStats:
