@@ -1,4 +1,4 @@
-"""The ``vlmq`` command: demo, worker, delivery, cost, submit, status, result, acl."""
+"""The ``vlmq`` command: demo, up, worker, delivery, top, cost, submit, status, result, acl."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +39,24 @@ def _demo(args: argparse.Namespace) -> int:
     from vlmq.demo import run_demo
 
     return run_demo(num_jobs=args.jobs, keep=args.keep)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from vlmq.up import UpOptions, run_up
+
+    try:
+        options = UpOptions(workers=args.workers, gpus=args.gpus, model=args.model, folder=args.folder, port=args.port)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_up(options)
+
+
+def _top(args: argparse.Namespace) -> int:
+    from vlmq.fleet import run_top
+    from vlmq.settings import Settings
+
+    return run_top(Settings.from_env(), args.interval, args.once)
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -95,6 +113,24 @@ def _add_acl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_acl)
 
 
+def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="run a local pool (Valkey, file storage, workers) until Ctrl-C, for producers "
+                       "in other shells")
+    p.add_argument("--workers", type=int, default=1, help="CPU worker processes (default 1)")
+    p.add_argument("--gpus", help="'all' or a list like 0,1: one worker per GPU instead of CPU workers")
+    p.add_argument("--model", default="tiny-shapes")
+    p.add_argument("--folder", help="keep storage and worker logs here (default: a temporary folder, removed)")
+    p.add_argument("--port", type=int, help="Valkey's port (default: a free one)")
+    p.set_defaults(func=_up)
+
+
+def _add_top(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("top", help="a live view of the pool: queue depths per class, workers, throughput")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--once", action="store_true", help="print one screen and exit")
+    p.set_defaults(func=_top)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlmq", description="Serve vision-language models from a queue.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=16, help="number of jobs to submit (default 16)")
     p.add_argument("--keep", action="store_true", help="keep the storage folder afterwards")
     p.set_defaults(func=_demo)
+    _add_up(sub)
     p = sub.add_parser("worker", help="run a worker (one process per GPU with --gpus)")
     from vlmq.worker_args import add_delivery_arguments, add_worker_arguments
 
@@ -110,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("delivery", help="run a webhook delivery worker (CPU only; needs VLMQ_WEBHOOK_SECRETS)")
     add_delivery_arguments(p)
     p.set_defaults(func=_delivery)
+    _add_top(sub)
     p = sub.add_parser("cost", help="print the vision-token cost of images from their headers")
     p.add_argument("images", nargs="+")
     p.add_argument("--model", default="tiny-shapes")

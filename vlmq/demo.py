@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
@@ -40,8 +41,11 @@ def load_samples() -> list[tuple[bytes, str, str, str]]:
 WORKER_ARGS = ("-m", "vlmq.workers.main", "--model", "tiny-shapes")
 
 
-def start_worker(settings: Settings, log_path: Path, args: tuple[str, ...] = WORKER_ARGS) -> subprocess.Popen[bytes]:
-    """One CPU worker process (the bundled model's, or another ``python`` command line), logging to ``log_path``."""
+def start_worker(settings: Settings, log_path: Path, args: Sequence[str] = WORKER_ARGS) -> subprocess.Popen[bytes]:
+    """A process running ``python ARGS`` (by default a worker for the bundled model), logging to ``log_path``.
+
+    It runs in its own session: Ctrl-C in the terminal reaches only the command that started it, which stops it.
+    """
     env = {**os.environ, **settings.to_env()}
     with open(log_path, "wb") as log:
         return subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=subprocess.STDOUT,

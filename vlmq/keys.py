@@ -125,6 +125,14 @@ def dead_letter(queue_name: str) -> str:
     return f"{PREFIX}dead:{queue_name}"
 
 
+def worker_status(name: str) -> str:
+    """Hash of one live worker's model, device, load and counters, refreshed every few seconds with a short TTL.
+
+    Written by each worker (``vlmq.workers.status``); read by ``vlmq top`` (``vlmq.fleet``).
+    """
+    return f"{PREFIX}worker:{name}"
+
+
 def idle_wait(token: str) -> str:
     """A list nobody writes: an idle worker's ``BLPOP`` on it is a short server-side sleep between pops."""
     return f"{PREFIX}idle-wait:{token}"

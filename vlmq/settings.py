@@ -20,6 +20,7 @@ from typing import Any
 from vlmq.keys import check_tenant
 
 BACKENDS = ("engine", "hf")  # worker backends; the first is the default
+LOG_FORMATS = ("text", "json")  # worker log formats; the first is the default
 DEFAULT_COST_CLASSES = "xs=256,s=1024,m=4096,l=16384,xl"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORAGE_URL = "file:///tmp/vlmq"
@@ -60,6 +61,12 @@ def parse_delays(raw: str) -> tuple[float, ...]:
     if not delays or min(delays) <= 0:
         raise ValueError(f"must list at least one positive delay in seconds, got {raw!r}")
     return delays
+
+
+def _flag(raw: str) -> bool:
+    if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
+        raise ValueError("must be 1 or 0")
+    return raw.lower() in ("1", "true", "yes")
 
 
 def _format_models(models: Mapping[str, str]) -> str:
@@ -157,6 +164,16 @@ class Settings:
                                        "one is sent as `result_url` (S3) and `result_key`")
     webhook_poll: float = _setting(0.5, WORKER, "seconds between the delivery workers' looks for due events",
                                    parse=float)
+    fake_gpus: str = _setting("", WORKER, "GPU ids that `--gpus` runs on the CPU instead, e.g. `0,1` (tries the "
+                              "per-GPU supervisor on a machine without GPUs)", shown="none")
+    metrics_port: int = _setting(0, WORKER, "port of the worker's `/metrics` (Prometheus), `/healthz` and "
+                                 "`/readyz`; with `--gpus` the worker of the N-th GPU listens on port + N",
+                                 shown="`0` (off)")
+    worker_events: bool = _setting(False, WORKER, "`1`: send Celery task events and event heartbeats (for Flower)",
+                                   shown="`0`",
+                                 parse=_flag, to_text=lambda on: "1" if on else "0")
+    log_format: str = _setting(LOG_FORMATS[0], WORKER, "`text`, or `json`: one JSON object per line with job id, "
+                               "model, class, worker and phase")
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
@@ -172,6 +189,10 @@ class Settings:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if min(self.shutdown_grace, self.storage_retry, self.retention) < 0:
             raise ValueError("shutdown_grace, storage_retry and retention must not be negative")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be a TCP port (0 = off), got {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         self.queue_depth_limit("xs")  # validates the format
         self._check_webhooks()
         if self.tenant:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from vlmq.settings import BACKENDS
+from vlmq.settings import BACKENDS, LOG_FORMATS
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS,
                         help="engine (the vlmq engine; default) or hf (plain transformers generate) (VLMQ_BACKEND)")
     parser.add_argument("--name", help="worker name shown in results")
+    parser.add_argument("--log-format", choices=LOG_FORMATS,
+                        help="text, or json: one JSON object per line (VLMQ_LOG_FORMAT)")
 
 
 def add_delivery_arguments(parser: argparse.ArgumentParser) -> None:

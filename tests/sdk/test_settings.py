@@ -71,7 +71,8 @@ def test_every_setting_round_trips_through_the_environment() -> None:
                        storage_retry=16, worker_budget=17, worker_batch=18, worker_classes="xs", backend="hf",
                        device="cuda:1", tenant="acme", retention=19, webhook_allow="127.0.0.1/32",
                        webhook_url="https://example.com/h", webhook_secrets="whsec_x", webhook_retry_schedule="1,2.5",
-                       webhook_timeout=2.5, webhook_concurrency=3, webhook_inline_max=4, webhook_poll=0.25)
+                       webhook_timeout=2.5, webhook_concurrency=3, webhook_inline_max=4, webhook_poll=0.25,
+                       fake_gpus="0,1", metrics_port=9100, worker_events=True, log_format="json")
     defaults = Settings()
     assert all(getattr(changed, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(Settings))
     env = changed.to_env()
