@@ -59,7 +59,9 @@ class ImageShape:
         grid_w: Qwen: patch columns; tiling families: tile columns of the canvas.
         num_tiles: encoder inputs of fixed size (1 for Qwen; the grid plus thumbnail or base image when tiling).
         encoder_patches: patches the vision encoder processes, over all tiles.
-        vision_tokens: LM positions the image takes (its placeholder tokens).
+        vision_tokens: the image's placeholder tokens, each replaced by one encoder feature (Qwen's
+            ``<|image_pad|>``, InternVL's ``<IMG_CONTEXT>`` without the ``<img>``/``</img>`` around them,
+            LLaVA-NeXT's ``<image>`` including its newline features).
     """
 
     resized_height: int
