@@ -64,8 +64,7 @@ def dns_name(text: str) -> str:
 
 
 def max_vision_tokens(spec: ModelSpec) -> int:
-    factor = spec.policy.patch_size * spec.policy.merge_size
-    return spec.policy.max_pixels // (factor * factor)
+    return spec.policy.max_vision_tokens()
 
 
 def reachable_classes(spec: ModelSpec, settings: Settings) -> list[str]:

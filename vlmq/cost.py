@@ -1,6 +1,10 @@
-"""Vision cost model for the Qwen2-VL / Qwen2.5-VL dynamic-resolution policy.
+"""Vision cost model: what an image costs the model, from its header alone.
 
-An image of ``width x height`` pixels is resized so that both sides are multiples of
+Each model family has its own resolution policy (an :class:`ImagePolicy`); this module holds the
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL one and the family-free parts (classes, estimates, the report).
+The tiling families (InternVL, LLaVA-NeXT) and reading a model folder live in :mod:`vlmq.families`.
+
+For the Qwen families an image of ``width x height`` pixels is resized so that both sides are multiples of
 ``factor = patch_size * merge_size`` and its area lies within ``[min_pixels,
 max_pixels]`` (:func:`smart_resize`, bit-for-bit the rule of transformers' Qwen2-VL
 image processor). The vision encoder then sees ``grid_h x grid_w`` patches of
@@ -20,7 +24,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vlmq.errors import InvalidRequest
 
@@ -28,8 +32,8 @@ if TYPE_CHECKING:
     from vlmq.images import ImageInfo, ImageLimits
 
 __all__ = [
-    "MAX_ASPECT_RATIO", "CostClasses", "CostEstimate", "ResolutionPolicy",
-    "cost_report", "estimate", "estimate_image", "smart_resize",
+    "MAX_ASPECT_RATIO", "CostClasses", "CostEstimate", "ImagePolicy", "ImageShape", "ResolutionPolicy",
+    "check_side", "cost_report", "estimate", "estimate_image", "smart_resize",
 ]
 
 # transformers rejects images whose long side is more than 200 times the short side.
@@ -44,8 +48,46 @@ def _check_positive_int(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageShape:
+    """How a family's processor lays one still image out for the vision encoder and the LM.
+
+    Attributes:
+        resized_height: height of the pixels the encoder sees (Qwen: the resized image; tiling
+            families: the high-resolution canvas the tiles are cut from).
+        resized_width: width of that image or canvas.
+        grid_h: Qwen: patch rows; tiling families: tile rows of the canvas.
+        grid_w: Qwen: patch columns; tiling families: tile columns of the canvas.
+        num_tiles: encoder inputs of fixed size (1 for Qwen; the grid plus thumbnail or base image when tiling).
+        encoder_patches: patches the vision encoder processes, over all tiles.
+        vision_tokens: the image's placeholder tokens, each replaced by one encoder feature (Qwen's
+            ``<|image_pad|>``, InternVL's ``<IMG_CONTEXT>`` without the ``<img>``/``</img>`` around them,
+            LLaVA-NeXT's ``<image>`` including its newline features).
+    """
+
+    resized_height: int
+    resized_width: int
+    grid_h: int
+    grid_w: int
+    num_tiles: int
+    encoder_patches: int
+    vision_tokens: int
+
+
+class ImagePolicy(Protocol):
+    """A family's resolution policy: what the cost model asks of it."""
+
+    def measure(self, height: int, width: int) -> ImageShape:
+        """Lays out a ``height x width`` image (as displayed); raises InvalidRequest for sizes it cannot take."""
+        ...
+
+    def max_vision_tokens(self) -> int:
+        """The most vision tokens one image can cost under this policy."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
 class ResolutionPolicy:
-    """The resize-and-patchify rule of a Qwen2-VL-style image processor.
+    """The resize-and-patchify rule of the Qwen2-VL image processor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
     Attributes:
         patch_size: side of one vision-encoder patch in pixels.
@@ -71,6 +113,18 @@ class ResolutionPolicy:
     def factor(self) -> int:
         """Both resized sides are multiples of this (``patch_size * merge_size``)."""
         return self.patch_size * self.merge_size
+
+    def measure(self, height: int, width: int) -> ImageShape:
+        """Lays out a ``height x width`` image: resized by :func:`smart_resize`, one tile, merged patches."""
+        resized_height, resized_width = smart_resize(height, width, self)
+        grid_h, grid_w = resized_height // self.patch_size, resized_width // self.patch_size
+        patches = grid_h * grid_w
+        return ImageShape(resized_height, resized_width, grid_h, grid_w, num_tiles=1, encoder_patches=patches,
+                          vision_tokens=patches // (self.merge_size * self.merge_size))
+
+    def max_vision_tokens(self) -> int:
+        """``max_pixels`` in tokens of ``factor x factor`` pixels."""
+        return self.max_pixels // (self.factor * self.factor)
 
     @classmethod
     def from_preprocessor_config(cls, config: Mapping[str, Any]) -> ResolutionPolicy:
@@ -232,6 +286,10 @@ class CostEstimate:
         encoder_patches: patches the vision encoder processes (``grid_t * grid_h * grid_w``).
         vision_tokens: LM tokens after merging (``encoder_patches // merge_size**2``).
         cost_class: the queue class of ``vision_tokens``.
+        num_tiles: fixed-size encoder inputs (1 unless the family tiles).
+
+    For the tiling families (:mod:`vlmq.families`) ``resized_*`` is the tile canvas, ``grid_h x grid_w``
+    its tile rows and columns, and ``vision_tokens`` the image's placeholder tokens.
     """
 
     width: int
@@ -244,13 +302,15 @@ class CostEstimate:
     encoder_patches: int
     vision_tokens: int
     cost_class: str
+    num_tiles: int = 1
 
     def to_dict(self) -> dict[str, int | str]:
         """Returns the fields as a JSON-ready dict."""
         return asdict(self)
 
 
-def _check_side(name: str, value: object) -> None:
+def check_side(name: str, value: object) -> None:
+    """Raises InvalidRequest (code ``invalid_size``) unless ``value`` is a positive int."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidRequest(f"image {name} must be a positive int, got {value!r}", code="invalid_size")
 
@@ -276,8 +336,8 @@ def smart_resize(height: int, width: int, policy: ResolutionPolicy = ResolutionP
         InvalidRequest: a side is not a positive int (code ``invalid_size``) or the
             long side is more than 200 times the short side (code ``aspect_ratio``).
     """
-    _check_side("height", height)
-    _check_side("width", width)
+    check_side("height", height)
+    check_side("width", width)
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise InvalidRequest(
@@ -302,7 +362,7 @@ def smart_resize(height: int, width: int, policy: ResolutionPolicy = ResolutionP
 def estimate(
     width: int,
     height: int,
-    policy: ResolutionPolicy = ResolutionPolicy(),
+    policy: ImagePolicy = ResolutionPolicy(),
     classes: CostClasses = CostClasses(),
 ) -> CostEstimate:
     """Estimates what a ``width x height`` image (as displayed) costs the model.
@@ -310,31 +370,28 @@ def estimate(
     Args:
         width: displayed width in pixels.
         height: displayed height in pixels.
-        policy: the model's resolution policy.
+        policy: the model's resolution policy (see :func:`vlmq.families.read_model_folder`).
         classes: the cost classes to classify into.
 
     Returns:
         The estimate.
 
     Raises:
-        InvalidRequest: see :func:`smart_resize`.
+        InvalidRequest: a side is not a positive int (code ``invalid_size``) or the policy cannot take
+            the image's aspect ratio (code ``aspect_ratio``).
     """
-    resized_height, resized_width = smart_resize(height, width, policy)
-    grid_t = 1
-    grid_h = resized_height // policy.patch_size
-    grid_w = resized_width // policy.patch_size
-    encoder_patches = grid_t * grid_h * grid_w
-    vision_tokens = encoder_patches // (policy.merge_size * policy.merge_size)
+    shape = policy.measure(height, width)
     return CostEstimate(
-        width=width, height=height, resized_height=resized_height, resized_width=resized_width,
-        grid_t=grid_t, grid_h=grid_h, grid_w=grid_w, encoder_patches=encoder_patches,
-        vision_tokens=vision_tokens, cost_class=classes.classify(vision_tokens),
+        width=width, height=height, resized_height=shape.resized_height, resized_width=shape.resized_width,
+        grid_t=1, grid_h=shape.grid_h, grid_w=shape.grid_w, encoder_patches=shape.encoder_patches,
+        vision_tokens=shape.vision_tokens, cost_class=classes.classify(shape.vision_tokens),
+        num_tiles=shape.num_tiles,
     )
 
 
 def estimate_image(
     info: ImageInfo,
-    policy: ResolutionPolicy = ResolutionPolicy(),
+    policy: ImagePolicy = ResolutionPolicy(),
     classes: CostClasses = CostClasses(),
 ) -> CostEstimate:
     """Estimates the cost of a probed image (see :func:`vlmq.images.probe`).
@@ -348,34 +405,35 @@ def estimate_image(
         The estimate.
 
     Raises:
-        InvalidRequest: see :func:`smart_resize`.
+        InvalidRequest: see :func:`estimate`.
     """
     return estimate(info.width, info.height, policy, classes)
 
 
-_REPORT_HEADER = ("file", "format", "size", "resized", "vision_tokens", "patches", "class")
+_REPORT_HEADER = ("file", "format", "size", "resized", "tiles", "vision_tokens", "patches", "class")
 
 
-def _report_row(path: str, policy: ResolutionPolicy, classes: CostClasses, limits: ImageLimits) -> tuple[str, ...]:
+def _report_row(path: str, policy: ImagePolicy, classes: CostClasses, limits: ImageLimits) -> tuple[str, ...]:
     from vlmq.images import load_source, probe
 
     name = os.path.basename(path) or path
     try:
         info = probe(load_source(path, limits), limits)
     except InvalidRequest as e:
-        return (name, "-", "-", "-", "-", "-", f"error: {e.code}")
+        return (name, "-", "-", "-", "-", "-", "-", f"error: {e.code}")
     size = f"{info.width}x{info.height}"
     try:
         cost = estimate_image(info, policy, classes)
     except InvalidRequest as e:
-        return (name, info.format, size, "-", "-", "-", f"error: {e.code}")
+        return (name, info.format, size, "-", "-", "-", "-", f"error: {e.code}")
     resized = f"{cost.resized_width}x{cost.resized_height}"
-    return (name, info.format, size, resized, str(cost.vision_tokens), str(cost.encoder_patches), cost.cost_class)
+    return (name, info.format, size, resized, str(cost.num_tiles), str(cost.vision_tokens), str(cost.encoder_patches),
+            cost.cost_class)
 
 
 def cost_report(
     paths: Sequence[str],
-    policy: ResolutionPolicy = ResolutionPolicy(),
+    policy: ImagePolicy = ResolutionPolicy(),
     classes: CostClasses = CostClasses(),
     limits: ImageLimits | None = None,
 ) -> str:
@@ -399,7 +457,7 @@ def cost_report(
     limits = limits if limits is not None else ImageLimits()
     rows = [_REPORT_HEADER, *(_report_row(path, policy, classes, limits) for path in paths)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_REPORT_HEADER))]
-    numeric = {4, 5}
+    numeric = {4, 5, 6}
     lines = []
     for row in rows:
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]

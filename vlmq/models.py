@@ -2,16 +2,16 @@
 
 The SDK needs a model's resolution policy to price an image from its header;
 it never loads the model. ``tiny-shapes`` is bundled with the worker package;
-other names map to local Hugging Face folders through ``VLMQ_MODELS``.
+other names map to local Hugging Face folders through ``VLMQ_MODELS``, priced by
+their own family's rule (``config.json``'s ``model_type``, see :mod:`vlmq.families`).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from vlmq.cost import CostClasses, ResolutionPolicy
+from vlmq.cost import CostClasses, ImagePolicy, ResolutionPolicy
 from vlmq.errors import InvalidRequest
+from vlmq.families import read_model_folder
 from vlmq.settings import Settings
 
 BUNDLED_MODEL = "tiny-shapes"
@@ -29,30 +29,26 @@ class ModelSpec:
         name: the public model name used in queue names.
         policy: resolution policy used to price images.
         path: local checkpoint folder, or None for the bundled model.
+        family: the checkpoint's ``model_type`` (one of :data:`vlmq.families.FAMILIES`).
     """
 
     name: str
-    policy: ResolutionPolicy
+    policy: ImagePolicy
     path: str | None = None
-
-
-def _policy_from_folder(path: str) -> ResolutionPolicy:
-    config = Path(path) / "preprocessor_config.json"
-    try:
-        return ResolutionPolicy.from_preprocessor_config(json.loads(config.read_text()))
-    except (OSError, ValueError):
-        return ResolutionPolicy()
+    family: str = "qwen2_vl"
 
 
 def resolve_model(name: str, settings: Settings) -> ModelSpec:
     """Look a model name up.
 
     Raises:
-        InvalidRequest: if the name is unknown.
+        InvalidRequest: code ``unknown_model`` if the name is unknown; ``unsupported_model`` if its folder's
+            ``model_type`` is not a supported family; ``bad_model_config`` if its processor settings are invalid.
     """
     if name in settings.models:
         path = settings.models[name]
-        return ModelSpec(name, _policy_from_folder(path), path)
+        family, policy = read_model_folder(path)
+        return ModelSpec(name, policy, path, family)
     if name == BUNDLED_MODEL:
         return ModelSpec(name, TINY_SHAPES_POLICY, None)
     known = sorted({BUNDLED_MODEL, *settings.models})
@@ -73,6 +69,5 @@ def class_cost(spec: ModelSpec, cost_class: str, settings: Settings) -> int:
     classes = cost_classes(settings)
     bound = classes.bound(cost_class)
     if bound is None:
-        factor = spec.policy.patch_size * spec.policy.merge_size
-        bound = spec.policy.max_pixels // (factor * factor)
+        bound = spec.policy.max_vision_tokens()
     return bound + settings.text_token_bound

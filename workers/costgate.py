@@ -46,8 +46,7 @@ class CostBudget:
 def explain_class_cost(spec: ModelSpec, cost_class: str, settings: Settings) -> str:
     """What one job of a class costs this worker, in tokens, and why (for the start-up log)."""
     bound = cost_classes(settings).bound(cost_class)
-    factor = spec.policy.patch_size * spec.policy.merge_size
-    model_max = spec.policy.max_pixels // (factor * factor)
+    model_max = spec.policy.max_vision_tokens()
     if bound is None:
         vision = f"{model_max} vision (the largest image {spec.name} accepts; the class has no upper bound)"
     elif bound > model_max:

@@ -308,10 +308,10 @@ def test_cost_report(tmp_path: Path, encode: Callable[..., bytes]) -> None:
         (tmp_path / name).write_bytes(data)
     paths = [str(tmp_path / name) for name in files] + [str(tmp_path / "missing.png")]
     lines = cost_report(paths).splitlines()
-    assert lines[0].split() == ["file", "format", "size", "resized", "vision_tokens", "patches", "class"]
+    assert lines[0].split() == ["file", "format", "size", "resized", "tiles", "vision_tokens", "patches", "class"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
-    assert rows["photo.png"] == ["PNG", "640x480", "644x476", "391", "1564", "s"]
-    assert rows["sideways.jpg"] == ["JPEG", "1080x1920", "728x1316", "1222", "4888", "m"]
+    assert rows["photo.png"] == ["PNG", "640x480", "644x476", "1", "391", "1564", "s"]
+    assert rows["sideways.jpg"] == ["JPEG", "1080x1920", "728x1316", "1", "1222", "4888", "m"]
     assert rows["strip.png"][:2] == ["PNG", "300x1"] and rows["strip.png"][-2:] == ["error:", "aspect_ratio"]
     assert rows["notes.txt"][-2:] == ["error:", "not_an_image"]
     assert rows["missing.png"][-2:] == ["error:", "image_not_found"]
