@@ -148,3 +148,22 @@ def input_key_allowed(job_id: str, key: str) -> bool:
 def result_object(job_id: str) -> str:
     """Storage key of a job's result JSON (a tenant's job: ``t/<tenant>/results/<job_id>.json``)."""
     return f"{storage_prefix(tenant_of(job_id))}results/{job_id}.json"
+
+
+KV_ARCHIVE_ROOT = "kv/"  # every archived KV object of every model is under it (the archive's byte bound)
+
+
+def kv_model_prefix(model_hash: str) -> str:
+    """Where one checkpoint's archived KV lives: ``kv/<model-hash>/`` (``vlmq cache purge`` removes it)."""
+    return f"{KV_ARCHIVE_ROOT}{model_hash}/"
+
+
+def kv_object(model_hash: str, kind: str, key: str) -> str:
+    """Storage key of one archived KV item, written once by the worker that computed it, read by any worker.
+
+    ``kind`` is ``enc`` (a vision encoder output, ``key`` = the encoder-cache key) or ``prefix`` (one prefix-cache
+    block's KV, ``key`` = its block hash in hex). Two hex digits of the key spread objects over S3 prefixes.
+    """
+    if kind not in ("enc", "prefix"):
+        raise ValueError(f"kind must be enc or prefix, got {kind!r}")
+    return f"{kv_model_prefix(model_hash)}{kind}/{key[:2]}/{key}"
