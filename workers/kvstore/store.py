@@ -26,6 +26,7 @@ from .format import QUANTS, BadObject, Expected, decode, encode
 from .tiers import ArchiveTier, DiskTier, HostTier, ItemKey, TierStats
 
 log = logging.getLogger(__name__)
+COUNTS = ("dropped_transfers", "transfer_errors", "pending_bytes")
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ class KVStore:
         self.disk = DiskTier(config.disk_dir, config.disk_bytes) if config.disk_dir and config.disk_bytes else None
         self.archive_tier = ArchiveTier(storage, model_hash, config.archive_bytes) if storage is not None else None
         self.fetch_rate = RateModel()
-        self.counts = dict.fromkeys(("dropped_transfers", "transfer_errors", "pending_bytes"), 0)
+        self.counts = dict.fromkeys(COUNTS, 0)
         self._lock = threading.Lock()  # host and disk tiers, counters
         self._archived: set[ItemKey] = set()  # written or found in the archive by this process
         self._io = ThreadPoolExecutor(1, thread_name_prefix="vlmq-kv-io")  # demotions and uploads, in order
@@ -113,16 +114,7 @@ class KVStore:
 
     def stats(self) -> dict[str, int]:
         """Flat counters: <tier>_<counter> for host, disk and archive, plus transfer counts."""
-        out: dict[str, int] = {}
-        for name, tier in (("host", self.host), ("disk", self.disk), ("archive", self.archive_tier)):
-            st = tier.stats if tier is not None else TierStats()
-            out.update({f"{name}_{f.name}": getattr(st, f.name) for f in fields(TierStats)})
-        out["host_used_bytes"], out["host_capacity_bytes"] = self.host.used_bytes, self.host.capacity_bytes
-        out["disk_used_bytes"] = self.disk.used_bytes if self.disk else 0
-        out["disk_capacity_bytes"] = self.disk.capacity_bytes if self.disk else 0
-        out["archive_capacity_bytes"] = self.archive_tier.capacity_bytes if self.archive_tier else 0
-        out["archive_deleted"] = self.archive_tier.num_deleted if self.archive_tier else 0
-        return {**out, **self.counts}
+        return stats_dict(self.host, self.disk, self.archive_tier, self.counts)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every transfer submitted so far is done (tests, benchmarks, shutdown)."""
@@ -214,3 +206,21 @@ class KVStore:
             return None
         stats.hits += 1
         return t
+
+
+def stats_dict(host: HostTier | None, disk: DiskTier | None, archive: ArchiveTier | None,
+               counts: dict[str, int]) -> dict[str, int]:
+    """The counters `KVStore.stats` reports (all zero for absent tiers)."""
+    out: dict[str, int] = {}
+    for name, tier in (("host", host), ("disk", disk), ("archive", archive)):
+        st = tier.stats if tier is not None else TierStats()
+        out.update({f"{name}_{f.name}": getattr(st, f.name) for f in fields(TierStats)})
+        out[f"{name}_capacity_bytes"] = tier.capacity_bytes if tier is not None else 0
+    out["host_used_bytes"] = host.used_bytes if host is not None else 0
+    out["disk_used_bytes"] = disk.used_bytes if disk is not None else 0
+    out["archive_deleted"] = archive.num_deleted if archive is not None else 0
+    return {**out, **counts}
+
+
+def empty_stats() -> dict[str, int]:
+    return stats_dict(None, None, None, dict.fromkeys(COUNTS, 0))
