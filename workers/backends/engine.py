@@ -15,6 +15,8 @@ from vlmq.workers.engine.errors import RequestRejected
 from vlmq.workers.kvstore.store import KVStore, empty_stats
 
 log = logging.getLogger(__name__)
+LOGGED_TIER_STATS = ("encoded_images", "tier_restored_images", "tier_restored_blocks", "host_hits", "disk_hits",
+                     "archive_hits", "archive_misses", "archive_bad_objects", "archive_puts")
 
 
 class EngineBackend(StreamingBackend):
@@ -34,6 +36,7 @@ class EngineBackend(StreamingBackend):
         self._live: dict[str, GenRequest] = {}  # started, not finished (by engine request id)
         self._aborted: set[str] = set()
         self._num_steps = 0
+        self._logged_tiers = ""
 
     def start(self, request: GenRequest) -> str:
         handle = self.engine.add_request(engine_request(request))
@@ -56,7 +59,16 @@ class EngineBackend(StreamingBackend):
             return [(handle, self._one(request)) for handle, request in live.items()]
         done = [(o.request_id, _gen_output(o)) for o in outputs if self._live.pop(o.request_id, None) is not None]
         self._aborted.difference_update(h for h, _ in done)
+        if done and self.kv_store is not None:
+            self._log_tiers()
         return done
+
+    def _log_tiers(self) -> None:
+        stats = self.cache_stats()
+        line = " ".join(f"{k}={stats[k]}" for k in LOGGED_TIER_STATS)
+        if line != self._logged_tiers:
+            self._logged_tiers = line
+            log.info("kv tiers: %s", line)
 
     def close(self) -> None:
         self.engine.close()
