@@ -84,11 +84,29 @@ class KVTiers:
         for enc in out.encoder_inputs:
             if enc.key in self.cache and self.cache.entries[enc.key].ready:
                 self.store.archive("enc", enc.key, self.cache.get(enc.key))
+        for s in out.scheduled:
+            self._archive_image_chain(s.seq, s.start, s.start + s.num_new_tokens)
         t = self.runner.timings
         self.encode_rate.add(out.num_encoder_patches, t["encode"] - self._timings["encode"])
         if out.num_scheduled_tokens > len(out.scheduled):  # prefill work in it, not only decodes
             self.prefill_rate.add(out.num_scheduled_tokens, t["forward"] - self._timings["forward"])
         self._timings = dict(t)
+
+    def _archive_image_chain(self, seq, start: int, end: int) -> None:
+        # The chunk that completes an image's KV: write the full blocks up to the image's end through to the
+        # archive (a new question on the image reuses them). Blocks taken from the prefix cache are not rewritten.
+        bs = self.bm.block_size
+        for img in seq.images:
+            if not (start < img.end <= end) or not self.bm.enable_prefix_caching:
+                continue
+            first, last = seq.num_cached_tokens // bs, min(img.end // bs, len(seq.block_table))
+            if first >= last:
+                continue
+            hashes = seq_block_hashes(seq, bs, last)
+            ids = torch.tensor(seq.block_table[first:last], device=self.runner.device)
+            kv = read_blocks(self.runner.kv_caches, ids)  # [layers, 2, n, block, heads, dim]
+            for i in range(last - first):
+                self.store.archive("prefix", hashes[first + i].hex(), kv[:, :, i])
 
     # -- admission ----------------------------------------------------------------------------
     def park(self, request_id: str, prepared: Prepared) -> bool:
@@ -102,7 +120,7 @@ class KVTiers:
             use_archive = self._worth_fetching(shape, recompute, 1)
             p.enc[img.content_hash] = self.store.fetch("enc", img.content_hash, self._expect("enc", img.content_hash,
                                                        shape), use_archive)
-            p.deadline = max(p.deadline, now + 2 * (recompute or 1.0) + GRACE_S)
+            p.deadline = max(p.deadline, self._deadline(now, recompute, shape, 1))
         self._park_blocks(p, now)
         if not p.enc and p.chain is None:
             return False
@@ -126,18 +144,26 @@ class KVTiers:
         use_archive = self._worth_fetching(shape, recompute, len(p.blocks))
         p.chain = self.store.fetch_chain("prefix", [self._expect("prefix", h.hex(), shape) for h in p.blocks],
                                          use_archive)
-        p.deadline = max(p.deadline, now + 2 * (recompute or 1.0) + GRACE_S)
+        p.deadline = max(p.deadline, self._deadline(now, recompute, shape, len(p.blocks)))
+
+    def _deadline(self, now: float, recompute_s: float | None, shape: tuple[int, ...], num_objects: int) -> float:
+        # Twice the recompute estimate; before this worker has measured its rates, twice the fetch estimate + 1 s.
+        if recompute_s is not None:
+            return now + 2 * recompute_s + GRACE_S
+        return now + 2 * self._fetch_seconds(shape, num_objects) + 1.0
+
+    def _fetch_seconds(self, shape: tuple[int, ...], num_objects: int) -> float:
+        # n objects: n first-byte latencies + their bytes over the bandwidth
+        nbytes = self.store.archived_bytes(num_objects * torch.Size(shape).numel() * self.dtype.itemsize)
+        return self.store.archive_seconds(nbytes) + (num_objects - 1) * self.store.fetch_rate.latency_s
 
     def _expect(self, kind: str, key: str, shape: tuple[int, ...]) -> Expected:
         return Expected(kind, key, self.store.model_hash, tuple(shape), self.dtype)
 
     def _worth_fetching(self, shape: tuple[int, ...], recompute_s: float | None, num_objects: int) -> bool:
-        # fetch n objects: n first-byte latencies + their bytes over the bandwidth, against recomputing them
         if not self.store.has_archive:
             return False
-        nbytes = self.store.archived_bytes(num_objects * torch.Size(shape).numel() * self.dtype.itemsize)
-        fetch_s = self.store.archive_seconds(nbytes) + (num_objects - 1) * self.store.fetch_rate.latency_s
-        use = recompute_s is None or fetch_s < recompute_s
+        use = recompute_s is None or self._fetch_seconds(shape, num_objects) < recompute_s
         self.counts["archive_fetches" if use else "fetch_skipped"] += 1
         return use
 
