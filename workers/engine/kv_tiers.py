@@ -163,7 +163,8 @@ class KVTiers:
     def _worth_fetching(self, shape: tuple[int, ...], recompute_s: float | None, num_objects: int) -> bool:
         if not self.store.has_archive:
             return False
-        use = recompute_s is None or self._fetch_seconds(shape, num_objects) < recompute_s
+        use = (recompute_s is None or self.store.config.always_fetch
+               or self._fetch_seconds(shape, num_objects) < recompute_s)
         self.counts["archive_fetches" if use else "fetch_skipped"] += 1
         return use
 

@@ -37,6 +37,7 @@ class KVStoreConfig:
     archive_bytes: int = 16 << 30  # the whole archive (every model), oldest objects deleted first
     quant: str = ""  # archive encoding: "" (lossless, the cache dtype), "int8" or "fp8"
     max_pending_bytes: int = 256 << 20  # tensors waiting for the store's threads
+    always_fetch: bool = False  # benchmarks: fetch from the archive without weighing it against recomputing
 
     def __post_init__(self) -> None:
         if self.quant not in QUANTS:
