@@ -10,14 +10,18 @@ import re
 import time
 
 import pytest
+from PIL import Image
 from workerproc import TINY_CLASSES, WorkerProcess
 
 from vlmq import keys
 from vlmq.client import Client
 from vlmq.settings import Settings
 from vlmq.storage import open_storage
+from vlmq.workers.engine.engine import Engine, Request
+from vlmq.workers.main import ASSETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+QUESTION_B = "What color is the largest shape?"
 
 
 def scene_png(seed: int) -> bytes:
@@ -65,9 +69,8 @@ def test_a_second_worker_answers_from_the_first_workers_archive(redis_url, s3_se
     _, a = serve(settings, tmp_path / "worker-a.log", image, "How many shapes are there?", wait_archived=True)
     assert a["encoded_images"] == 1  # A computed X ...
     assert any("/enc/" in key for key in archived_objects(settings))  # ... and archived its encoder output
-    warm, b = serve(settings, tmp_path / "worker-b.log", image, "What color is the largest shape?")
+    warm, b = serve(settings, tmp_path / "worker-b.log", image, QUESTION_B)
     assert b["archive_hits"] >= 1 and b["tier_restored_images"] == 1 and b["encoded_images"] == 0
-    off = Settings(broker_url=redis_url, storage_url=s3_storage_url, s3_endpoint_url=s3_server.url,
-                   cost_classes=TINY_CLASSES, worker_batch=2, kv_archive=0)
-    cold, c = serve(off, tmp_path / "worker-c.log", image, "What color is the largest shape?")
-    assert warm == cold and c["encoded_images"] == 1 and c["archive_hits"] == 0  # archive off: computed again
+    cold = Engine.from_model_dir(ASSETS / "tiny-shapes", num_blocks=256)  # no store: computes everything
+    out = cold.generate([Request(Image.open(io.BytesIO(image)).convert("RGB"), QUESTION_B, 16)])[0]
+    assert cold.stats.num_encoded_images == 1 and warm == out.token_ids

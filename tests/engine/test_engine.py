@@ -247,5 +247,9 @@ def test_greedy_equals_transformers_with_kv_tiers_and_archive(model_dir, workloa
     for engine in (second, third):
         assert engine.tiers.counts["restored_images"] > 0 and engine.tiers.counts["restored_blocks"] > 0
         assert engine.stats.num_encoded_images < 40 - 10  # most images came from a tier, not the encoder
+        st = engine.tiers.store.stats()  # every tier held its byte budget
+        assert st["host_used_bytes"] <= st["host_capacity_bytes"]
+        assert st["disk_used_bytes"] <= st["disk_capacity_bytes"]
+    assert sum(o.size for o in storage.list_objects("kv/")) <= 256 << 20
     for engine in (first, third):
         engine.tiers.store.close()

@@ -86,11 +86,13 @@ def test_store_counts_bad_archive_objects_as_misses(tmp_path) -> None:
 
 def test_demoted_items_flow_host_disk_archive_within_their_budgets(tmp_path) -> None:
     item = 7 * 24 * 4
+    blob = len(encode("prefix", "b000", MODEL, torch.randn(7, 24)))
     storage = FileStorage(tmp_path / "s3")
-    config = KVStoreConfig(host_bytes=3 * item, disk_dir=str(tmp_path / "disk"), disk_bytes=4 * (item + 400),
-                           archive_bytes=30 * (item + 400))
+    config = KVStoreConfig(host_bytes=3 * item, disk_dir=str(tmp_path / "disk"), disk_bytes=4 * blob,
+                           archive_bytes=12 * blob)
     store = KVStore(MODEL, config, storage)
-    tensors = {f"b{i:03d}": torch.randn(7, 24) for i in range(60)}  # 5x all tiers together
+    num_items = 5 * (3 + 4 + 12)  # a workload 5x larger than all tiers together
+    tensors = {f"b{i:03d}": torch.randn(7, 24) for i in range(num_items)}
     try:
         for key, t in tensors.items():
             store.demote("prefix", key, t)  # prefix blocks reach the archive when they leave host
@@ -100,7 +102,7 @@ def test_demoted_items_flow_host_disk_archive_within_their_budgets(tmp_path) -> 
             total = sum(o.size for o in storage.list_objects(keys.KV_ARCHIVE_ROOT))
             assert total <= config.archive_bytes
         assert store.stats()["archive_deleted"] > 0  # the oldest were deleted to hold the bound
-        newest = "b059"  # in host: a hit there; an older one from disk; one from the archive
+        newest = f"b{num_items - 1:03d}"  # in host: a hit there; an older one from disk; one from the archive
         assert torch.equal(store.fetch("prefix", newest, expect("prefix", newest), True).result(10), tensors[newest])
         on_disk = next(k for k in tensors if ("prefix", k) in store.disk.sizes)
         assert torch.equal(store.fetch("prefix", on_disk, expect("prefix", on_disk), True).result(10),

@@ -8,6 +8,9 @@ slow store never holds more than that much memory, and nothing the step loop doe
     demote:  engine -> host -> (evicted) -> disk, and prefix blocks also -> archive
     archive: engine -> archive (encoder outputs: the item the fleet most reuses, written once when computed)
     fetch:   host -> disk -> archive (only if the caller chose fetching over recomputing); a hit lands in host
+
+An archive object that fails verification is deleted (objects are written once: a bad one would otherwise keep
+the good one out forever), except one of a newer format version, which this worker merely cannot read.
 """
 from __future__ import annotations
 
@@ -173,7 +176,7 @@ class KVStore:
             blob = self.disk.get(item) if t is None and self.disk is not None else None
         if t is not None:
             return t
-        if blob is not None and (t := self._decode(self.disk.stats, blob, expected)) is not None:
+        if blob is not None and (t := self._decode(self.disk.stats, blob, expected)[0]) is not None:
             self._to_host(item, t)
             return t
         if not use_archive or self.archive_tier is None:
@@ -183,9 +186,14 @@ class KVStore:
         if blob is None:
             return None
         self.fetch_rate.add(len(blob), time.perf_counter() - t0)
-        if (t := self._decode(self.archive_tier.stats, blob, expected)) is not None:
+        t, refusal = self._decode(self.archive_tier.stats, blob, expected)
+        if t is not None:
             self._archived.add(item)
             self._to_host(item, t)
+        elif refusal != "bad_version":  # written once: a bad object would keep the good one out forever
+            self.archive_tier.storage.delete(self.archive_tier.object_key(item))
+            self.archive_tier.num_deleted += 1
+            self._archived.discard(item)
         return t
 
     def _lookup_chain(self, kind: str, expected: list[Expected], use_archive: bool) -> list[torch.Tensor]:
@@ -197,16 +205,17 @@ class KVStore:
             found.append(t)
         return found
 
-    def _decode(self, stats: TierStats, blob: bytes, expected: Expected) -> torch.Tensor | None:
+    def _decode(self, stats: TierStats, blob: bytes, expected: Expected) -> tuple[torch.Tensor | None, str]:
+        """The verified tensor, or None and why it was refused (format.BadObject.reason)."""
         try:
             t = decode(blob, expected)
         except BadObject as e:
             log.warning("refused a KV object (%s %s): %s", expected.kind, expected.key[:16], e)
             stats.bad_objects += 1
             stats.misses += 1
-            return None
+            return None, e.reason
         stats.hits += 1
-        return t
+        return t, ""
 
 
 def stats_dict(host: HostTier | None, disk: DiskTier | None, archive: ArchiveTier | None,
