@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from tiny.shapes import make_split
 
 from vlmq import keys
+from vlmq.errors import BackendError
 from vlmq.storage import FileStorage
 from vlmq.workers.engine.block_hash import seq_block_hashes
 from vlmq.workers.engine.engine import Engine, Request
@@ -76,4 +78,41 @@ def test_bad_archive_objects_are_counted_misses_and_recomputed(model_dir, tmp_pa
         assert store.stats()["archive_bad_objects"] == 0 and warm.tiers.counts["restored_images"] == len(requests)
         assert warm.stats.num_encoded_images == 0
     finally:
+        store.close()
+
+
+class GatedStorage(FileStorage):
+    """Fault injection around a real file store: reads wait for `gate` (an archive that answers late), or fail."""
+
+    def __init__(self, root, fail: bool = False) -> None:
+        super().__init__(root)
+        self.gate, self.fail = threading.Event(), fail
+
+    def get(self, key: str) -> bytes:
+        if self.fail:
+            raise BackendError("object store unreachable (injected)")
+        self.gate.wait(30)
+        return super().get(key)
+
+
+@pytest.mark.parametrize("fault", ["late", "failed"])
+def test_a_late_or_failed_fetch_is_a_recompute(model_dir, tmp_path, fault):
+    requests = [Request(e.image, e.question, MAX_NEW) for e in make_split(9, 3)]
+    model = weights_identity(model_dir)
+    filled = KVStore(model, KVStoreConfig(), FileStorage(tmp_path / "s3"))
+    first = Engine.from_model_dir(model_dir, num_blocks=256, kv_store=filled)
+    expected = [o.token_ids for o in first.generate(requests)]
+    filled.close()  # the archive now holds every image's encoder output and prefix chain
+    storage = GatedStorage(tmp_path / "s3", fail=fault == "failed")
+    store = KVStore(model, KVStoreConfig(always_fetch=True), storage)
+    engine = Engine.from_model_dir(model_dir, num_blocks=256, kv_store=store)
+    try:
+        assert [o.token_ids for o in engine.generate(requests)] == expected
+        assert engine.stats.num_encoded_images == len(requests)  # recomputed, not restored
+        if fault == "late":
+            assert engine.tiers.counts["fetch_late"] == len(requests)
+        else:
+            assert store.stats()["transfer_errors"] > 0
+    finally:
+        storage.gate.set()
         store.close()

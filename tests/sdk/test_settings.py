@@ -69,7 +69,8 @@ def test_every_setting_round_trips_through_the_environment() -> None:
                        max_image_bytes=8, max_image_pixels=9, job_ttl=10, max_new_tokens=11, max_prompt_chars=12,
                        max_queue_depth="xs=3", visibility_timeout=13, max_attempts=14, shutdown_grace=15,
                        storage_retry=16, worker_budget=17, worker_batch=18, worker_classes="xs", backend="hf",
-                       device="cuda:1", tenant="acme")
+                       device="cuda:1", tenant="acme", kv_archive=0, kv_archive_bytes=19,
+                       kv_archive_quant="tiny=int8", kv_host_bytes=20, kv_disk_dir="/d", kv_disk_bytes=21)
     defaults = Settings()
     assert all(getattr(changed, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(Settings))
     env = changed.to_env()
@@ -87,3 +88,12 @@ def test_a_bad_variable_is_named_in_the_error() -> None:
         Settings.from_env({"VLMQ_MODELS": "x"})
     with pytest.raises(ValueError, match="worker_batch must be positive"):
         Settings.from_env({"VLMQ_WORKER_BATCH": "0"})
+
+
+def test_kv_archive_quantisation_is_per_model() -> None:
+    assert Settings().kv_quant("tiny") == ""  # lossless by default
+    assert Settings(kv_archive_quant="fp8").kv_quant("any") == "fp8"
+    per_model = Settings(kv_archive_quant="tiny=int8,big=fp8")
+    assert (per_model.kv_quant("tiny"), per_model.kv_quant("big"), per_model.kv_quant("other")) == ("int8", "fp8", "")
+    with pytest.raises(ValueError, match="kv_archive_quant must be int8, fp8 or name=int8"):
+        Settings.from_env({"VLMQ_KV_ARCHIVE_QUANT": "int4"})
