@@ -11,8 +11,6 @@ to run.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import queue
 import time
 from collections.abc import Sequence as Seq
@@ -24,6 +22,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from vlmq.workers.kvstore.identity import weights_identity
 from vlmq.workers.kvstore.store import KVStore
 from vlmq.workers.models.loader import load_model
 from vlmq.workers.models.processor import load_processor
@@ -263,10 +262,7 @@ class Engine:
 
 
 def default_model_id(model_dir: Path) -> str:
-    # Folder name + config + weight files' names, sizes and mtimes: cheap, and changes when the checkpoint does.
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        st = f.stat()
-        h.update(json.dumps([f.name, st.st_size, st.st_mtime_ns]).encode())
-    return f"{model_dir.resolve().name}@{h.hexdigest()[:16]}"
-
+    # The weights' identity (config, safetensors headers and data samples; kvstore/identity.py): equal for two
+    # copies of one checkpoint wherever they sit, so image keys, prefix-block hashes and the KV archive are shared
+    # across the fleet, and different for another checkpoint.
+    return f"weights@{weights_identity(model_dir)}"
