@@ -15,7 +15,7 @@ import torch
 from vlmq import keys
 from vlmq.storage import FileStorage
 from vlmq.workers.kvstore.format import MAGIC, BadObject, Expected, decode, encode, read_header
-from vlmq.workers.kvstore.store import KVStore, KVStoreConfig
+from vlmq.workers.kvstore.store import KVStore, KVStoreConfig, RateModel
 
 MODEL = "m" * 32
 EMB = torch.randn(7, 24)  # an encoder output [tokens, hidden]
@@ -116,3 +116,11 @@ def test_demoted_items_flow_host_disk_archive_within_their_budgets(tmp_path) -> 
         assert st["host_hits"] >= 1 and st["disk_hits"] == 1 and st["archive_hits"] == 1
     finally:
         store.close()
+
+
+def test_fetch_time_model_learns_latency_and_bandwidth() -> None:
+    rate = RateModel()
+    for nbytes in (1_000, 1_000_000, 4_000_000, 10_000):
+        rate.add(nbytes, 0.005 + nbytes / 50e6)  # 5 ms to the first byte, then 50 MB/s
+    assert rate.latency_s == pytest.approx(0.005, rel=1e-6) and rate.bandwidth == pytest.approx(50e6, rel=1e-6)
+    assert rate.seconds(2_000_000) == pytest.approx(0.045, rel=1e-6)

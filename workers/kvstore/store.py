@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -30,6 +30,7 @@ from .tiers import ArchiveTier, DiskTier, HostTier, ItemKey, TierStats
 
 log = logging.getLogger(__name__)
 COUNTS = ("dropped_transfers", "transfer_errors", "pending_bytes")
+MAX_REMEMBERED = 1 << 20  # archive keys remembered as written (a forgotten one costs one conditional put)
 
 
 @dataclass(slots=True)
@@ -84,7 +85,7 @@ class KVStore:
         self.fetch_rate = RateModel()
         self.counts = dict.fromkeys(COUNTS, 0)
         self._lock = threading.Lock()  # host and disk tiers, counters
-        self._archived: set[ItemKey] = set()  # written or found in the archive by this process
+        self._archived: OrderedDict[ItemKey, None] = OrderedDict()  # known to be in the archive (bounded LRU)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="vlmq-kv-io")  # demotions and uploads, in order
         self._fetch = ThreadPoolExecutor(2, thread_name_prefix="vlmq-kv-fetch")
 
@@ -168,7 +169,14 @@ class KVStore:
         if self.archive_tier is None or item in self._archived:
             return
         self.archive_tier.put(item, encode(item[0], item[1], self.model_hash, tensor, self.config.quant))
-        self._archived.add(item)
+        self._remember_archived(item)
+
+    def _remember_archived(self, item: ItemKey) -> None:
+        with self._lock:
+            self._archived[item] = None
+            self._archived.move_to_end(item)
+            if len(self._archived) > MAX_REMEMBERED:
+                self._archived.popitem(last=False)
 
     def _lookup(self, item: ItemKey, expected: Expected, use_archive: bool) -> torch.Tensor | None:
         with self._lock:
@@ -188,12 +196,12 @@ class KVStore:
         self.fetch_rate.add(len(blob), time.perf_counter() - t0)
         t, refusal = self._decode(self.archive_tier.stats, blob, expected)
         if t is not None:
-            self._archived.add(item)
+            self._remember_archived(item)
             self._to_host(item, t)
         elif refusal != "bad_version":  # written once: a bad object would keep the good one out forever
             self.archive_tier.storage.delete(self.archive_tier.object_key(item))
             self.archive_tier.num_deleted += 1
-            self._archived.discard(item)
+            self._archived.pop(item, None)
         return t
 
     def _lookup_chain(self, kind: str, expected: list[Expected], use_archive: bool) -> list[torch.Tensor]:
