@@ -137,6 +137,7 @@ class ArchiveTier:
     ``kv/`` (every model) and deletes the oldest objects until the total is at most 90% of the bound, so one
     worker alone never takes the archive past it (N workers writing at once: at most (0.9 + N/10) x the bound
     until the next trim). Plain S3 suffices (no lifecycle rules); two workers trimming at once only delete more.
+    An object over a tenth of the bound is not archived.
     """
 
     def __init__(self, storage: Storage, model_hash: str, capacity_bytes: int) -> None:
