@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlmq.workers.kvstore.format import Expected
-from vlmq.workers.kvstore.store import KVStore
+from vlmq.workers.kvstore.store import CHAIN_FETCHES, KVStore
 
 from .block_hash import seq_block_hashes
 from .intake import Prepared
@@ -153,9 +153,11 @@ class KVTiers:
         return now + 2 * self._fetch_seconds(shape, num_objects) + 1.0
 
     def _fetch_seconds(self, shape: tuple[int, ...], num_objects: int) -> float:
-        # n objects: n first-byte latencies + their bytes over the bandwidth
+        # n objects, CHAIN_FETCHES at a time: ceil(n / CHAIN_FETCHES) first-byte latencies + the bytes over the
+        # bandwidth (one stream's: parallel streams are not assumed to add bandwidth)
         nbytes = self.store.archived_bytes(num_objects * torch.Size(shape).numel() * self.dtype.itemsize)
-        return self.store.archive_seconds(nbytes) + (num_objects - 1) * self.store.fetch_rate.latency_s
+        waves = -(-num_objects // CHAIN_FETCHES)
+        return self.store.archive_seconds(nbytes) + (waves - 1) * self.store.fetch_rate.latency_s
 
     def _expect(self, kind: str, key: str, shape: tuple[int, ...]) -> Expected:
         return Expected(kind, key, self.store.model_hash, tuple(shape), self.dtype)

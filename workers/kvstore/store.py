@@ -30,6 +30,7 @@ from .tiers import ArchiveTier, DiskTier, HostTier, ItemKey, TierStats
 
 log = logging.getLogger(__name__)
 COUNTS = ("dropped_transfers", "transfer_errors", "pending_bytes")
+CHAIN_FETCHES = 8  # prefix blocks of one chain looked up at once
 MAX_REMEMBERED = 1 << 20  # archive keys remembered as written (a forgotten one costs one conditional put)
 
 
@@ -88,6 +89,7 @@ class KVStore:
         self._archived: OrderedDict[ItemKey, None] = OrderedDict()  # known to be in the archive (bounded LRU)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="vlmq-kv-io")  # demotions and uploads, in order
         self._fetch = ThreadPoolExecutor(2, thread_name_prefix="vlmq-kv-fetch")
+        self._chain = ThreadPoolExecutor(CHAIN_FETCHES, thread_name_prefix="vlmq-kv-chain")
 
     @property
     def has_archive(self) -> bool:
@@ -128,6 +130,7 @@ class KVStore:
     def close(self) -> None:
         self._io.shutdown(wait=True)
         self._fetch.shutdown(wait=True, cancel_futures=True)
+        self._chain.shutdown(wait=True, cancel_futures=True)
 
     # -- on the store's threads ----------------------------------------------------------------
     def _submit(self, fn, item: ItemKey, tensor: torch.Tensor) -> None:
@@ -205,12 +208,17 @@ class KVStore:
         return t
 
     def _lookup_chain(self, kind: str, expected: list[Expected], use_archive: bool) -> list[torch.Tensor]:
+        # CHAIN_FETCHES lookups in flight at once: a chain of n archived blocks costs ~n / CHAIN_FETCHES latencies
+        futures = [self._chain.submit(self._guarded, self._lookup, (kind, exp.key), exp, use_archive)
+                   for exp in expected]
         found = []
-        for exp in expected:
-            t = self._lookup((kind, exp.key), exp, use_archive)
+        for f in futures:
+            t = f.result()
             if t is None:
                 break
             found.append(t)
+        for f in futures:
+            f.cancel()
         return found
 
     def _decode(self, stats: TierStats, blob: bytes, expected: Expected) -> tuple[torch.Tensor | None, str]:
