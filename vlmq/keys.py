@@ -234,3 +234,26 @@ def has_owner(name: str) -> bool:
     structures) or keeps it on purpose (exchange bindings, a handful per pool)."""
     return (is_queue_list(name) or name in (UNACKED, UNACKED_INDEX, UNACKED_MUTEX)
             or name.startswith(KOMBU_BINDING_PREFIX))
+KV_ARCHIVE_ROOT = "kv/"  # every archived KV object of every model is under it (the archive's byte bound)
+
+
+def kv_model_prefix(model_hash: str) -> str:
+    """Where one checkpoint's archived KV lives: ``kv/<model-hash>/`` (``vlmq cache purge`` removes it)."""
+    return f"{KV_ARCHIVE_ROOT}{model_hash}/"
+
+
+def kv_object(model_hash: str, kind: str, key: str) -> str:
+    """Storage key of one archived KV item, written once by the worker that computed it, read by any worker.
+
+    ``kind`` is ``enc`` (a vision encoder output, ``key`` = the encoder-cache key) or ``prefix`` (one prefix-cache
+    block's KV, ``key`` = its block hash in hex). Two hex digits of the key spread objects over S3 prefixes.
+    """
+    if kind not in ("enc", "prefix"):
+        raise ValueError(f"kind must be enc or prefix, got {kind!r}")
+    return f"{kv_model_prefix(model_hash)}{kind}/{key[:2]}/{key}"
+
+
+def kv_model_manifest(model_hash: str) -> str:
+    """``kv/<model-hash>/model.json``: ``{"model": name, "model_hash": hash}``, written once by the first worker
+    that archives for the checkpoint, so tools can map a model name to its archive prefix (never trimmed)."""
+    return f"{kv_model_prefix(model_hash)}model.json"

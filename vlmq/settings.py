@@ -174,6 +174,17 @@ class Settings:
                                  parse=_flag, to_text=lambda on: "1" if on else "0")
     log_format: str = _setting(LOG_FORMATS[0], WORKER, "`text`, or `json`: one JSON object per line with job id, "
                                "model, class, worker and phase")
+    kv_archive: int = _setting(1, WORKER, "`1`: archive vision encoder outputs and evicted prefix KV in the pool's "
+                               "storage under `kv/<weights hash>/` (any worker reuses them); `0`: off")
+    kv_archive_bytes: int = _setting(16 << 30, WORKER, "bound on the whole KV archive (every model), in bytes; "
+                                     "the oldest objects are deleted first", shown="17179869184 (16 GiB)")
+    kv_archive_quant: str = _setting("", WORKER, "archive encoding: lossless, or `int8` / `fp8` for every model, or "
+                                     "per model `name=int8,name2=fp8`", shown="none (lossless)")
+    kv_host_bytes: int = _setting(512 << 20, WORKER, "host-memory tier below the engine's caches, in bytes "
+                                  "(`0`: none)", shown="536870912 (512 MiB)")
+    kv_disk_dir: str = _setting("", WORKER, "local-disk tier folder (emptied at start; one per worker)",
+                                shown="none (no disk tier)")
+    kv_disk_bytes: int = _setting(0, WORKER, "local-disk tier bound, in bytes")
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
@@ -193,6 +204,9 @@ class Settings:
             raise ValueError(f"metrics_port must be a TCP port (0 = off), got {self.metrics_port}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if min(self.kv_archive_bytes, self.kv_host_bytes, self.kv_disk_bytes) < 0 or self.kv_archive not in (0, 1):
+            raise ValueError("kv_archive is 0 or 1; kv_archive_bytes, kv_host_bytes and kv_disk_bytes are >= 0")
+        self.kv_quant("")  # validates the format
         self.queue_depth_limit("xs")  # validates the format
         self._check_webhooks()
         if self.tenant:
@@ -224,6 +238,15 @@ class Settings:
             return int(limits.get(cost_class, "0"))
         except ValueError as e:
             raise ValueError(f"max_queue_depth must be N or xs=N,s=M, got {raw!r}") from e
+
+    def kv_quant(self, model: str) -> str:
+        """The KV archive encoding for one model: "" (lossless), "int8" or "fp8"."""
+        raw = self.kv_archive_quant.strip()
+        per_model = dict(part.split("=", 1) for part in raw.split(",")) if "=" in raw else {model: raw}
+        quant = per_model.get(model, "").strip()
+        if any(q.strip() not in ("", "int8", "fp8") for q in per_model.values()):
+            raise ValueError(f"kv_archive_quant must be int8, fp8 or name=int8,name2=fp8; got {raw!r}")
+        return quant
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:

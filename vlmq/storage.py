@@ -9,6 +9,7 @@ import os
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -16,10 +17,23 @@ from urllib.parse import unquote, urlparse
 from vlmq.errors import BackendError
 
 
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One stored object, as a listing reports it."""
+
+    key: str
+    size: int  # bytes
+    modified: float  # seconds since the epoch (last write)
+
+
 class Storage(ABC):
     """Minimal object store used for inputs, results and archived KV."""
 
     url: str
+
+    @abstractmethod
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (any order); for the KV archive's byte bound."""
 
     @abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -190,6 +204,15 @@ class FileStorage(Storage):
                         yield path.relative_to(self.root).as_posix()
                 except FileNotFoundError:  # deleted or replaced since the walk listed it
                     continue
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        if not base.is_dir():
+            return
+        for path in base.rglob("*"):
+            key = path.relative_to(self.root).as_posix()
+            if key.startswith(prefix) and not path.name.startswith(".tmp-") and path.is_file():
+                st = path.stat()
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
 
     def key_of(self, uri: str) -> str:
         parsed = urlparse(uri)
@@ -308,6 +331,18 @@ class S3Storage(Storage):
         return str(self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket,
                                                                             "Key": self._key(key)},
                                                       ExpiresIn=expires))
+
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        from botocore.exceptions import ClientError
+
+        head = f"{self.prefix}/" if self.prefix else ""
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                              Prefix=head + prefix):
+                for obj in page.get("Contents", ()):
+                    yield ObjectInfo(obj["Key"][len(head):], int(obj["Size"]), obj["LastModified"].timestamp())
+        except ClientError as e:
+            raise BackendError(f"object store {self.url} failed listing {prefix}: {e}") from e
 
     def key_of(self, uri: str) -> str:
         bucket, key = split_uri(uri)

@@ -87,10 +87,16 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
                         settings.worker_batch)
     name = name or default_name()
-    backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget)
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    kv_store = None
+    if settings.backend == "engine":
+        from vlmq.workers.kvstore import store_from_settings
+
+        kv_store = store_from_settings(settings, spec.name, model_dir(spec), storage)
+    backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
+                           kv_store=kv_store)
     ctx = WorkerContext(settings, redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3),
-                        open_storage(settings.storage_url, settings.s3_endpoint_url),
-                        Batcher(backend, settings.worker_batch), spec.name, name)
+                        storage, Batcher(backend, settings.worker_batch), spec.name, name)
     app = make_worker_app(settings, ctx, budget)
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
     start_sweeper(settings, ctx.redis, ctx.storage, name)

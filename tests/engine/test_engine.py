@@ -15,9 +15,11 @@ from PIL import Image
 from tiny.shapes import make_split, questions
 
 from vlmq.errors import InvalidRequest
+from vlmq.storage import open_storage
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.backends.engine import EngineBackend
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
+from vlmq.workers.kvstore import KVStore, KVStoreConfig, weights_identity
 from vlmq.workers.models.processor import load_processor, render_prompt
 
 TARGET = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
@@ -214,3 +216,40 @@ def test_encoder_budget_fits_the_largest_image_the_processor_emits(tmp_path):
     assert Engine.from_model_dir(TARGET, num_blocks=8).config.max_num_encoder_patches == 16_384  # default kept
     engine = Engine.from_model_dir(model_dir, num_blocks=8, max_num_encoder_patches=30_000)
     assert engine.config.max_num_encoder_patches == 30_000  # an explicit budget wins
+
+
+def tiered_engine(model_dir, storage, tmp_path, name: str) -> Engine:
+    # Caches far smaller than the workload: encoder outputs and prefix blocks are evicted all the time and go
+    # down to host (1 MiB, ~30 blocks of 32 KiB), disk (2 MiB) and the S3 archive.
+    config = KVStoreConfig(host_bytes=1 << 20, disk_dir=str(tmp_path / name), disk_bytes=2 << 20,
+                           archive_bytes=256 << 20)
+    store = KVStore(weights_identity(model_dir), config, storage)
+    return Engine.from_model_dir(model_dir, num_blocks=96, encoder_cache_bytes=400 << 10, kv_store=store)
+
+
+def test_greedy_equals_transformers_with_kv_tiers_and_archive(model_dir, workload, reference, s3_storage_url,
+                                                              s3_server, tmp_path):
+    """Pass 1 demotes; pass 2 (same store) is served from host and disk; pass 3 (a new store, as on another
+    worker) from the S3 archive. Every answer equals transformers'."""
+    storage = open_storage(s3_storage_url, s3_server.url)
+    first = tiered_engine(model_dir, storage, tmp_path, "a")
+    requests = [Request(img, q, MAX_NEW) for img, q in workload]
+    check_outputs(run_continuous(first, requests, first=40, per_step=3), workload, reference)
+    first.tiers.store.flush()
+    second = Engine(*first._args[:3], **first._args[3])  # same store, empty device caches
+    part = slice(0, 40)
+    check_outputs(second.generate(requests[part]), workload[part], reference)
+    third = tiered_engine(model_dir, storage, tmp_path, "b")
+    check_outputs(third.generate(requests[part]), workload[part], reference)
+    st2, st3 = second.tiers.store.stats(), third.tiers.store.stats()
+    assert st2["host_hits"] > 0 and st2["disk_hits"] > 0  # served from host and disk
+    assert st3["archive_hits"] > 0 and st3["host_hits"] + st3["disk_hits"] == 0  # fresh store: only S3
+    for engine in (second, third):
+        assert engine.tiers.counts["restored_images"] > 0 and engine.tiers.counts["restored_blocks"] > 0
+        assert engine.stats.num_encoded_images < 40 - 10  # most images came from a tier, not the encoder
+        st = engine.tiers.store.stats()  # every tier held its byte budget
+        assert st["host_used_bytes"] <= st["host_capacity_bytes"]
+        assert st["disk_used_bytes"] <= st["disk_capacity_bytes"]
+    assert sum(o.size for o in storage.list_objects("kv/")) <= 256 << 20
+    for engine in (first, third):
+        engine.tiers.store.close()

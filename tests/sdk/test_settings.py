@@ -72,7 +72,10 @@ def test_every_setting_round_trips_through_the_environment() -> None:
                        device="cuda:1", tenant="acme", retention=19, webhook_allow="127.0.0.1/32",
                        webhook_url="https://example.com/h", webhook_secrets="whsec_x", webhook_retry_schedule="1,2.5",
                        webhook_timeout=2.5, webhook_concurrency=3, webhook_inline_max=4, webhook_poll=0.25,
-                       fake_gpus="0,1", metrics_port=9100, worker_events=True, log_format="json")
+                       fake_gpus="0,1", metrics_port=9100, worker_events=True, log_format="json",
+                       kv_archive=0, kv_archive_bytes=19, kv_archive_quant="tiny=int8", kv_host_bytes=20,
+                       kv_disk_dir="/d",
+                       kv_disk_bytes=21)
     defaults = Settings()
     assert all(getattr(changed, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(Settings))
     env = changed.to_env()
@@ -90,3 +93,12 @@ def test_a_bad_variable_is_named_in_the_error() -> None:
         Settings.from_env({"VLMQ_MODELS": "x"})
     with pytest.raises(ValueError, match="worker_batch must be positive"):
         Settings.from_env({"VLMQ_WORKER_BATCH": "0"})
+
+
+def test_kv_archive_quantisation_is_per_model() -> None:
+    assert Settings().kv_quant("tiny") == ""  # lossless by default
+    assert Settings(kv_archive_quant="fp8").kv_quant("any") == "fp8"
+    per_model = Settings(kv_archive_quant="tiny=int8,big=fp8")
+    assert (per_model.kv_quant("tiny"), per_model.kv_quant("big"), per_model.kv_quant("other")) == ("int8", "fp8", "")
+    with pytest.raises(ValueError, match="kv_archive_quant must be int8, fp8 or name=int8"):
+        Settings.from_env({"VLMQ_KV_ARCHIVE_QUANT": "int4"})

@@ -12,25 +12,31 @@ from vlmq.workers.backends.base import GenOutput, GenRequest, StreamingBackend, 
 from vlmq.workers.engine.config import EngineConfig
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
 from vlmq.workers.engine.errors import RequestRejected
+from vlmq.workers.kvstore.store import KVStore, empty_stats
 
 log = logging.getLogger(__name__)
+LOGGED_TIER_STATS = ("encoded_images", "tier_restored_images", "tier_restored_blocks", "host_hits", "disk_hits",
+                     "archive_hits", "archive_misses", "archive_bad_objects", "archive_puts")
 
 
 class EngineBackend(StreamingBackend):
     def __init__(self, model_dir: str, device: str = "cpu", *, kv_tokens: int | None = None,
-                 cancel_poll_every: int = 8, **engine_config: Any) -> None:
+                 cancel_poll_every: int = 8, kv_store: KVStore | None = None, **engine_config: Any) -> None:
         """`kv_tokens`: tokens the KV cache must hold at once (the worker's budget), so that no job the worker
-        may take is refused or preempted for room; `engine_config`: EngineConfig fields and
+        may take is refused or preempted for room; `kv_store`: the host / disk / archive tiers below the
+        engine's caches (vlmq.workers.kvstore); `engine_config`: EngineConfig fields and
         Engine.from_model_dir options (num_blocks, dtype, ...), which win."""
         self.model_dir = str(model_dir)
         sized = {"num_blocks", "kv_cache_bytes", "kv_cache_memory_fraction"} & engine_config.keys()
         if kv_tokens is not None and not sized:
             engine_config["num_blocks"] = num_blocks_for_tokens(kv_tokens, engine_config)
-        self.engine = Engine.from_model_dir(model_dir, device, **engine_config)
+        self.kv_store = kv_store
+        self.engine = Engine.from_model_dir(model_dir, device, kv_store=kv_store, **engine_config)
         self.cancel_poll_every = cancel_poll_every  # steps between polls of GenRequest.canceled
         self._live: dict[str, GenRequest] = {}  # started, not finished (by engine request id)
         self._aborted: set[str] = set()
         self._num_steps = 0
+        self._logged_tiers = ""
 
     def start(self, request: GenRequest) -> str:
         handle = self.engine.add_request(engine_request(request))
@@ -53,10 +59,34 @@ class EngineBackend(StreamingBackend):
             return [(handle, self._one(request)) for handle, request in live.items()]
         done = [(o.request_id, _gen_output(o)) for o in outputs if self._live.pop(o.request_id, None) is not None]
         self._aborted.difference_update(h for h, _ in done)
+        if done and self.kv_store is not None:
+            self._log_tiers()
         return done
+
+    def _log_tiers(self) -> None:
+        stats = self.cache_stats()
+        line = " ".join(f"{k}={stats[k]}" for k in LOGGED_TIER_STATS)
+        if line != self._logged_tiers:
+            self._logged_tiers = line
+            log.info("kv tiers: %s", line)
 
     def close(self) -> None:
         self.engine.close()
+        if self.kv_store is not None:
+            self.kv_store.close()
+
+    def cache_stats(self) -> dict[str, int]:
+        """This worker's cache counters, flat: the engine's caches, then `tier_*` (fetch-or-recompute decisions
+        and restores) and the store's `host_*`, `disk_*`, `archive_*` counters (zeros without a store)."""
+        st = self.engine.stats
+        out = {"encoder_cache_hits": st.encoder_cache_hits, "encoder_cache_misses": st.encoder_cache_misses,
+               "encoded_images": st.num_encoded_images, "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens,
+               "prefix_cache_query_tokens": st.prefix_cache_query_tokens}
+        tiers = self.engine.tiers
+        for name in ("restored_images", "restored_blocks", "fetch_late", "fetch_skipped", "archive_fetches"):
+            out[f"tier_{name}"] = tiers.counts[name] if tiers is not None else 0
+        out.update(self.kv_store.stats() if self.kv_store is not None else empty_stats())
+        return out
 
     def _one(self, request: GenRequest) -> GenOutput | Exception:
         try:

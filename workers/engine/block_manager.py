@@ -7,10 +7,14 @@ block whose KV has been computed is registered under its chained hash
 its hash, so a later request with the same prefix (and the same images) reuses it.
 Free hashed blocks are evicted least recently freed first, only when a fresh block is
 needed; unhashed free blocks are handed out before any hashed one.
+
+With KV tiers (kv_tiers.py), `on_evict(block_id, hash)` sees every cached block just before its KV is
+overwritten (it is demoted instead of dropped), and `install_cached` registers a block restored from a tier.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from .block_hash import seq_block_hashes
@@ -38,6 +42,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,6 +80,18 @@ class BlockManager:
             if self.block_hash[block_id] is None and h not in self.hash_to_block:
                 self.block_hash[block_id] = h
                 self.hash_to_block[h] = block_id
+
+    def install_cached(self, h: bytes) -> int | None:
+        """Take a free block for KV restored from a tier, cached under `h` and free (most recently freed);
+        the caller writes its KV before the next step. None: `h` is cached already or no block is free."""
+        if not self.enable_prefix_caching or h in self.hash_to_block or not self.free_blocks:
+            return None
+        block_id = self._take_free_block()
+        self.ref_counts[block_id] = 0
+        self.block_hash[block_id] = h
+        self.hash_to_block[h] = block_id
+        self.free_blocks[block_id] = None
+        return block_id
 
     # -- allocation ---------------------------------------------------------------------------
     def _num_fresh_blocks(self, seq: Sequence, num_tokens: int, num_computed_blocks: int = 0) -> int:
@@ -114,6 +131,8 @@ class BlockManager:
         block_id, _ = self.free_blocks.popitem(last=False)
         h = self.block_hash[block_id]
         if h is not None:  # evict: the cached KV is about to be overwritten
+            if self.on_evict is not None:
+                self.on_evict(block_id, h)
             self.block_hash[block_id] = None
             del self.hash_to_block[h]
         self.ref_counts[block_id] = 1

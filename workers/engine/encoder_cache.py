@@ -9,13 +9,16 @@ are evicted, least recently released first, and only to make room for a new one.
 Life of an entry: reserve(key, bytes, holder) at schedule time (a miss; evicts if
 needed) → put(key, value) by the runner before the LM forward that reads it →
 get(key) → release(key, holder); acquire(key, holder) on a later request is a hit.
+
+With KV tiers (kv_tiers.py), `on_evict(key, value)` sees every computed entry that is evicted (it is demoted to
+host memory instead of dropped) and `insert` adds an entry restored from a tier, unreferenced and ready.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +64,7 @@ class EncoderCache:
         self.hits = 0
         self.misses = 0
         self.num_evictions = 0
+        self.on_evict: Callable[[str, Any], None] | None = None
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -93,6 +97,17 @@ class EncoderCache:
         self.num_used_bytes += num_bytes
         self.misses += 1
         self._add_holder(key, holder)
+
+    def insert(self, key: str, value: Any, num_bytes: int) -> bool:
+        """Add a ready, unreferenced entry (restored from a lower tier) if it fits; returns whether it was added."""
+        if key in self.entries or not self.can_reserve(num_bytes):
+            return False
+        while self.capacity_bytes - self.num_used_bytes < num_bytes:
+            self._evict_one()
+        self.entries[key] = _Entry(num_bytes, value=value, ready=True)
+        self.num_used_bytes += num_bytes
+        self.freeable[key] = None
+        return True
 
     def acquire(self, key: str, holder: Hashable) -> None:
         """A hit: reference an entry that is cached (or reserved earlier this step)."""
@@ -139,6 +154,8 @@ class EncoderCache:
 
     def _evict_one(self) -> None:
         key, _ = self.freeable.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(key, self.entries[key].value)
         self._drop(key)
         self.num_evictions += 1
 

@@ -11,8 +11,6 @@ to run.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import queue
 import time
 from collections.abc import Sequence as Seq
@@ -24,12 +22,15 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from vlmq.workers.kvstore.identity import weights_identity
+from vlmq.workers.kvstore.store import KVStore
 from vlmq.workers.models.loader import load_model
 from vlmq.workers.models.processor import load_processor
 
 from .config import EngineConfig
 from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .kv_budget import kv_cache_num_blocks
+from .kv_tiers import KVTiers
 from .model_runner import ModelRunner
 from .preprocess import ImagePreprocessor
 from .scheduler import Scheduler
@@ -64,9 +65,10 @@ class EngineStats:
 class Engine:
     def __init__(self, model, processor, config: EngineConfig, *, device: str | torch.device = "cpu",
                  model_id: str = "model", eos_token_ids: tuple[int, ...] = (), share_encoder_outputs: bool = True,
-                 num_preprocess_threads: int = 1) -> None:
+                 num_preprocess_threads: int = 1, kv_store: KVStore | None = None) -> None:
         self._args = (model, processor, config, dict(device=device, model_id=model_id, eos_token_ids=eos_token_ids,
-                      share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads))
+                      share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads,
+                      kv_store=kv_store))
         self.config = config
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config, self.scheduler.encoder_cache, device)
@@ -81,13 +83,18 @@ class Engine:
         self._meta: dict[str, RequestOutput] = {}  # request_id -> output being filled
         self._done: list[RequestOutput] = []  # finished since the last step() returned
         self._num_added = 0
+        self.tiers: KVTiers | None = None  # host / disk / archive tiers below the caches (kv_tiers.py)
+        if kv_store is not None:
+            self.tiers = KVTiers(kv_store, self.scheduler, self.runner, self.runner.kv_caches[0][0].dtype)
+            self.tiers.wake = lambda: self._ready.put(("", None))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", *,
                        dtype: torch.dtype | None = None, model_id: str | None = None,
                        share_encoder_outputs: bool = True, num_preprocess_threads: int = 1,
                        kv_cache_bytes: int | None = None, kv_cache_memory_fraction: float | None = None,
-                       max_model_len: int | None = None, **config: Any) -> Engine:
+                       max_model_len: int | None = None, kv_store: KVStore | None = None,
+                       **config: Any) -> Engine:
         """Load model, processor and generation config; `config` holds EngineConfig fields.
 
         The KV cache has `num_blocks` blocks, or as many as fit in `kv_cache_bytes`, or (CUDA only) in
@@ -115,7 +122,8 @@ class Engine:
         return cls(model, processor, engine_config, device=device,
                    model_id=model_id or default_model_id(model_dir),
                    eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-                   share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads)
+                   share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads,
+                   kv_store=kv_store)
 
     def add_request(self, request: Request, request_id: str | None = None) -> str:
         request_id = request_id if request_id is not None else f"req-{self._num_added}"
@@ -132,6 +140,8 @@ class Engine:
         """Stop a request; its output (finish_reason "canceled", tokens so far) comes from the next step()."""
         if request_id in self._preparing:
             self._preparing.discard(request_id)  # dropped when its preprocessing completes
+            self._finish(request_id, FinishReason.CANCELED)
+        elif self.tiers is not None and self.tiers.drop(request_id):  # parked while its KV is looked up
             self._finish(request_id, FinishReason.CANCELED)
         elif (seq := self.scheduler.abort(request_id)) is not None:
             self._finish(request_id, FinishReason.CANCELED, seq)
@@ -160,9 +170,13 @@ class Engine:
         t1 = time.perf_counter()
         if self.scheduler.has_unfinished:
             out = self.scheduler.schedule()
+            if self.tiers is not None:
+                self.tiers.before_execute()
             t2 = time.perf_counter()
             runner_out = self.runner.execute(out)
             t3 = time.perf_counter()
+            if self.tiers is not None:
+                self.tiers.after_execute(out)
             finished = self.scheduler.update(runner_out)
             self._after_step(out, finished, t3)
             marks = (t0, t1, t2, t3, time.perf_counter())
@@ -185,20 +199,32 @@ class Engine:
         return [results[i] for i in ids]
 
     def _admit(self) -> None:
-        block = not self.scheduler.has_unfinished and bool(self._preparing)  # nothing to run: wait for input
+        tiers = self.tiers
         while True:
+            for request_id, prepared in tiers.ready() if tiers is not None else ():
+                self._add_or_fail(request_id, lambda p=prepared: p, park=False)
+            parked = tiers is not None and bool(tiers.parked)
+            # nothing to run: wait for input (a parked request: until its lookups finish or its deadline)
+            block = not self.scheduler.has_unfinished and (bool(self._preparing) or parked)
+            timeout = tiers.seconds_to_deadline() if block and parked else None
             try:
-                request_id, future = self._ready.get(block=block)
+                request_id, future = self._ready.get(block=block, timeout=timeout)
             except queue.Empty:
+                if block:
+                    continue  # a parked request's deadline passed: admitted above
                 return
-            block = False
-            if request_id not in self._preparing:  # aborted while preprocessing
+            if future is None or request_id not in self._preparing:  # a lookup finished; aborted while preparing
                 continue
             self._preparing.discard(request_id)
-            try:
-                self._add(future.result())
-            except Exception as e:  # bad image, prompt too long, too long for the KV budget: it fails alone
-                self._finish(request_id, FinishReason.ERROR, error=e)
+            self._add_or_fail(request_id, future.result)
+
+    def _add_or_fail(self, request_id: str, prepared, park: bool = True) -> None:
+        try:
+            prep = prepared()
+            if not park or self.tiers is None or not self.tiers.park(request_id, prep):
+                self._add(prep)
+        except Exception as e:  # bad image, prompt too long, too long for the KV budget: it fails alone
+            self._finish(request_id, FinishReason.ERROR, error=e)
 
     def _add(self, prepared: Prepared) -> None:
         seq = prepared.seq
@@ -236,10 +262,7 @@ class Engine:
 
 
 def default_model_id(model_dir: Path) -> str:
-    # Folder name + config + weight files' names, sizes and mtimes: cheap, and changes when the checkpoint does.
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        st = f.stat()
-        h.update(json.dumps([f.name, st.st_size, st.st_mtime_ns]).encode())
-    return f"{model_dir.resolve().name}@{h.hexdigest()[:16]}"
-
+    # The weights' identity (config, safetensors headers and data samples; kvstore/identity.py): equal for two
+    # copies of one checkpoint wherever they sit, so image keys, prefix-block hashes and the KV archive are shared
+    # across the fleet, and different for another checkpoint.
+    return f"weights@{weights_identity(model_dir)}"

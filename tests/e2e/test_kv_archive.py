@@ -1,0 +1,81 @@
+"""Another worker, warm: KV one worker computed is reused by another through the pool's S3 archive.
+
+Worker A serves image X and stops; worker B (a new process, nothing in memory) answers a new question on X
+with X's encoder output from A's archive (an archive hit in B's counters) and gives the answer a cold run gives.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+
+import pytest
+from PIL import Image
+from workerproc import TINY_CLASSES, WorkerProcess
+
+from vlmq import keys
+from vlmq.client import Client
+from vlmq.settings import Settings
+from vlmq.storage import open_storage
+from vlmq.workers.engine.engine import Engine, Request
+from vlmq.workers.main import ASSETS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+QUESTION_B = "What color is the largest shape?"
+
+
+def scene_png(seed: int) -> bytes:
+    from tiny.shapes import make_example
+
+    buf = io.BytesIO()
+    make_example((777, seed), size=(320, 240)).image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def tier_counts(worker: WorkerProcess) -> dict[str, int]:
+    lines = [line for line in worker.log().splitlines() if "kv tiers:" in line]
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", lines[-1])} if lines else {}
+
+
+def archived_objects(settings: Settings) -> list[str]:
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    return [o.key for o in storage.list_objects(keys.KV_ARCHIVE_ROOT)]
+
+
+def serve(settings: Settings, log_path, image: bytes, question: str,
+          wait_archived: bool = False) -> tuple[list[int], dict[str, int]]:
+    worker = WorkerProcess(settings, log_path, "--name", log_path.stem)
+    try:
+        worker.wait_ready()
+        with Client(settings=settings) as client:
+            result = client.submit(image, question, max_new_tokens=16).result(timeout=300)
+        counts = tier_counts(worker)
+        deadline = time.monotonic() + 30
+        while wait_archived and not archived_objects(settings) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the upload runs on the worker's store thread, after the job's result
+    finally:
+        worker.stop()
+    return result.token_ids, counts
+
+
+def test_a_second_worker_answers_from_the_first_workers_archive(redis_url, s3_server, s3_storage_url,
+                                                                tmp_path) -> None:
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    settings = Settings(broker_url=redis_url, storage_url=s3_storage_url, s3_endpoint_url=s3_server.url,
+                        cost_classes=TINY_CLASSES, worker_batch=2)
+    image = scene_png(1)
+    _, a = serve(settings, tmp_path / "worker-a.log", image, "How many shapes are there?", wait_archived=True)
+    assert a["encoded_images"] == 1  # A computed X ...
+    archived = archived_objects(settings)
+    assert any("/enc/" in key for key in archived)  # ... and archived its encoder output
+    (manifest,) = [key for key in archived if key.endswith("/model.json")]  # names the model's archive prefix
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    assert json.loads(storage.get(manifest))["model"] == "tiny-shapes"
+    warm, b = serve(settings, tmp_path / "worker-b.log", image, QUESTION_B)
+    assert b["archive_hits"] >= 1 and b["tier_restored_images"] == 1 and b["encoded_images"] == 0
+    cold = Engine.from_model_dir(ASSETS / "tiny-shapes", num_blocks=256)  # no store: computes everything
+    out = cold.generate([Request(Image.open(io.BytesIO(image)).convert("RGB"), QUESTION_B, 16)])[0]
+    assert cold.stats.num_encoded_images == 1 and warm == out.token_ids
