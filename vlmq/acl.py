@@ -20,8 +20,9 @@ WORKER_USER = "vlmq-worker"
 # what redis-py sends on connecting (AUTH or HELLO, library name, SELECT for a /<db> URL) and PING
 CONNECTION_COMMANDS = ["hello", "auth", "ping", "client|setinfo", "client|setname", "select"]
 # what the SDK runs on its own keys: records (HSET/EXPIRE/HGETALL), idempotency (SET NX GET, DEL on
-# release), waiting (BLMOVE on the done list) and the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH)
-TENANT_COMMANDS = ["hgetall", "hget", "hset", "expire", "set", "del", "blmove", "rpush", "eval"]
+# release), waiting (BLMOVE on the done list), the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH) and
+# affinity routes of its own inputs (GET)
+TENANT_COMMANDS = ["hgetall", "hget", "hset", "expire", "set", "del", "blmove", "rpush", "eval", "get"]
 # publishing is one LPUSH (the SDK publishes without declaring, see Client._publish); LLEN for queue limits
 QUEUE_COMMANDS = ["lpush", "llen"]
 

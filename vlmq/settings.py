@@ -49,6 +49,19 @@ def _int(raw: str) -> int:
         raise ValueError("must be an integer") from None
 
 
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError("must be 1 or 0 (on or off)")
+
+
+def _format_flag(value: bool) -> str:
+    return "1" if value else "0"
+
+
 def _format_models(models: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in models.items())
 
@@ -105,6 +118,11 @@ class Settings:
     job_ttl: int = _setting(7 * 24 * 3600, BOTH, "seconds a job record, cancel flag and idempotency key are "
                             "kept: from submit, and a record again from the job's end",
                             shown="604800 (7 days)")
+    affinity: bool = _setting(True, BOTH, "cache-affinity routing: producers send a job whose image is hot on a "
+                              "live worker to that worker's own queue, which it consumes first; `0` turns it off "
+                              "(only speed changes)", shown="`1` (on)", parse=_flag, to_text=_format_flag)
+    affinity_queue_bound: int = _setting(32, BOTH, "jobs a worker's own queue may hold: producers route to the "
+                                         "shared queue past it, live workers move the excess there")
     # -- read by producers (the SDK) -----------------------------------------------------------
     max_queue_depth: str = _setting("0", PRODUCER, "waiting jobs allowed per class, `N` or `xs=N,s=M`; a submit "
                                     "that would pass it raises `QueueFull`", shown="`0` (no limit)")
@@ -124,11 +142,14 @@ class Settings:
     backend: str = _setting(BACKENDS[0], WORKER, "`engine` (the vlmq engine) or `hf` (plain transformers "
                             "`generate`)")
     device: str = _setting("cpu", WORKER, "`cpu`, `cuda` or `cuda:N`")
+    affinity_ttl: int = _setting(30, WORKER, "seconds a worker's heartbeat, cache counters and hot-image routes "
+                                 "live unless renewed (renewed every third of it); a dead worker's own queue "
+                                 "drains back to the shared queue after it")
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
                      "max_image_pixels", "job_ttl", "worker_budget", "worker_batch", "visibility_timeout",
-                     "max_attempts"):
+                     "max_attempts", "affinity_queue_bound", "affinity_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.broker_url.startswith(("redis://", "rediss://", "unix://")):

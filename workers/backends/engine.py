@@ -58,6 +58,15 @@ class EngineBackend(StreamingBackend):
     def close(self) -> None:
         self.engine.close()
 
+    def cache_stats(self) -> dict[str, int]:
+        # counters since this engine started (a reset after a failed step starts them again)
+        st, cfg = self.engine.stats, self.engine.config
+        return {"encoded_images": st.num_encoded_images, "encoder_cache_hits": st.encoder_cache_hits,
+                "encoder_cache_misses": st.encoder_cache_misses,
+                "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens,
+                "prefix_cache_query_tokens": st.prefix_cache_query_tokens,
+                "encoder_cache_bytes": cfg.encoder_cache_bytes, "encoder_bytes_per_token": cfg.encoder_bytes_per_token}
+
     def _one(self, request: GenRequest) -> GenOutput | Exception:
         try:
             out = self.engine.generate([engine_request(request)])[0]
