@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
-from vlmq import affinity, keys, rules
+from vlmq import affinity, fleet, keys, rules
 from vlmq.cost import CostEstimate, estimate
 from vlmq.errors import BackendError, InvalidRequest, QueueFull
 from vlmq.images import ImageInfo, ImageLimits, ImageSource, is_storage_url, load_source, probe
@@ -171,6 +171,34 @@ class Client:
         for name in lists:
             pipe.llen(name)
         return sum(self.store.call(pipe.execute))
+
+    def cache_stats(self) -> dict[str, Any]:
+        """What the fleet's caches hold and how often they hit.
+
+        Returns:
+            ``{"archive": {model_hash: {"model", "objects", "bytes"}}, "models": {model: {"counters",
+            "hit_rates"}}, "workers": {worker: heartbeat fields}}``: the archive as listed under ``kv/`` in the
+            pool's storage; counters summed over the live workers of each model (``encoded_images``,
+            ``encoder_cache_hits``, ...) and hit rates per cache tier; each live worker's own counters.
+
+        Raises:
+            BackendError: Redis or the object store failed.
+        """
+        return self.store.call(fleet.cache_stats, self.redis, self.storage)
+
+    def purge_cache(self, model: str) -> tuple[int, int]:
+        """Delete a model's archived KV and encoder outputs (``kv/<model-hash>/`` in the pool's storage).
+
+        Args:
+            model: a model name (as workers registered its archive) or a model hash (as ``cache_stats`` shows it).
+
+        Returns:
+            (objects, bytes) deleted.
+
+        Raises:
+            BackendError: Redis or the object store failed.
+        """
+        return self.store.call(fleet.purge, self.redis, self.storage, model)
 
     # -- internals -----------------------------------------------------------------------------
 

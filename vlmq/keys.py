@@ -108,7 +108,10 @@ def worker_stats(worker: str) -> str:
 
     Written by workers; read by ``Client.cache_stats`` and by workers draining a dead worker's queues.
     """
-    return f"{PREFIX}worker:{worker_slug(worker)}"
+    return f"{WORKER_STATS}{worker_slug(worker)}"
+
+
+WORKER_STATS = f"{PREFIX}worker:"  # the prefix of every worker_stats key
 
 
 def affinity_workers(model: str) -> str:

@@ -8,11 +8,22 @@ from __future__ import annotations
 import os
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from vlmq.errors import BackendError
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    """One object as a listing shows it."""
+
+    key: str
+    size: int  # bytes
+    modified: float  # unix seconds of the last write
 
 
 class Storage(ABC):
@@ -39,6 +50,10 @@ class Storage(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object if present."""
+
+    @abstractmethod
+    def iter_objects(self, prefix: str) -> Iterator[StoredObject]:
+        """Every object whose key starts with ``prefix``, in key order."""
 
     @abstractmethod
     def key_of(self, uri: str) -> str:
@@ -146,6 +161,15 @@ class FileStorage(Storage):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def iter_objects(self, prefix: str) -> Iterator[StoredObject]:
+        found = []
+        for path in self.root.rglob("*"):
+            key = path.relative_to(self.root).as_posix()
+            if key.startswith(prefix) and path.is_file() and not path.name.startswith(".tmp-"):
+                stat = path.stat()
+                found.append(StoredObject(key, stat.st_size, stat.st_mtime))
+        yield from sorted(found, key=lambda o: o.key)
+
     def key_of(self, uri: str) -> str:
         parsed = urlparse(uri)
         path = Path(unquote(parsed.netloc + parsed.path))
@@ -241,6 +265,18 @@ class S3Storage(Storage):
             self._call("delete_object", Key=self._key(key))
         except ClientError as e:
             raise BackendError(f"object store {self.url} failed deleting {key}: {e}") from e
+
+    def iter_objects(self, prefix: str) -> Iterator[StoredObject]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        head = f"{self.prefix}/" if self.prefix else ""
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                              Prefix=head + prefix):
+                for item in page.get("Contents", []):
+                    yield StoredObject(item["Key"][len(head):], item["Size"], item["LastModified"].timestamp())
+        except (BotoCoreError, ClientError) as e:
+            raise BackendError(f"object store {self.url} failed listing {prefix}: {e}") from e
 
     def key_of(self, uri: str) -> str:
         bucket, key = split_uri(uri)

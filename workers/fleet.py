@@ -93,7 +93,10 @@ class FleetReporter:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vlmq-fleet", daemon=True)
 
-    def start(self) -> None:
+    def start(self, archive_model_hash: str | None = None) -> None:
+        """First beat and the beat thread; names the backend's archive (``kv/<hash>/``) for ``vlmq cache``."""
+        if archive_model_hash:
+            self._safely(lambda: self.redis.hset(keys.kv_models(), archive_model_hash, self.model))
         self.beat()
         self._thread.start()
 

@@ -93,7 +93,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
                         Batcher(backend, settings.worker_batch), spec.name, name, fleet)
     app = make_worker_app(settings, ctx, budget, first=frozenset(own))
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
-    fleet.start()
+    fleet.start(getattr(backend, "archive_model_hash", None))  # set by a backend that archives KV
     log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
              settings.backend, list(budget.queue_costs))
     for cost_class in cost_classes(settings).names:
