@@ -17,6 +17,9 @@ kombu ``kombu.transport.redis.Channel`` (the consumer's task channel):
   - ``connection._deliver(message, queue)``: hands a decoded envelope to the consumer's callbacks.
   - ``qos.can_consume()``: whether the consumer may fetch now; narrowed by the cost gate.
   - ``qos.ack(tag)``: acks a refused message (kombu's unacked structures and its in-memory ones).
+  - the stored message form: ``json.dumps`` with default separators, so the routing key reads
+    ``"routing_key": "<queue>"``. ``vlmq.affinity.DRAIN_SCRIPT`` rewrites that text when it moves a worker
+    queue's messages to the shared queue (the message gate checks it; kombu restores by it).
 celery:
   - ``celery.worker.state.reserved_requests`` and ``active_requests``: the requests a worker holds; of each,
     ``Request.message.delivery_tag`` and ``Request.delivery_info["routing_key"]``.
