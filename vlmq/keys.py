@@ -156,7 +156,12 @@ def tenant_key_patterns(tenant: str) -> list[str]:
     ``.`` cannot occur in a tenant id, so ``acme.*`` never matches another tenant's ``acme-2.<hex>``.
     """
     ids = tenant_job_id(check_tenant(tenant), "*")
-    return [job(ids), done(ids), canceled(ids), idempotency("*", tenant), hot_input(input_object("*", tenant), "*")]
+    return [job(ids), done(ids), canceled(ids), idempotency("*", tenant)]
+
+
+def tenant_read_patterns(tenant: str) -> list[str]:
+    """Glob patterns of keys a tenant's producers may read but never write: the affinity routes of its inputs."""
+    return [hot_input(input_object("*", check_tenant(tenant)), "*")]
 
 
 def queue_pattern() -> str:
