@@ -122,6 +122,11 @@ def affinity_workers(model: str) -> str:
     return f"{PREFIX}affinity:{model}"
 
 
+def affinity_sweep(model: str) -> str:
+    """Short-lived lock: the worker holding it drains a model's worker queues this period (one sweep per period)."""
+    return f"{PREFIX}affinity-sweep:{model}"
+
+
 def kv_models() -> str:
     """Hash model-hash -> model name of the archives under ``kv/<model-hash>/`` (written by workers)."""
     return f"{PREFIX}kv-models"

@@ -6,10 +6,11 @@
   set evicts it, and expires by itself when the worker dies. The hot set mirrors the encoder cache: least
   recently served first, bounded by the cache's bytes, each image counted at its encoder output's size.
 - Heartbeat (``vlmq.keys.worker_stats``): model, classes and the backend's cache counters, with the same TTL.
-- Drain: every beat, each registered worker queue (``vlmq.keys.affinity_workers``) is drained by
-  ``vlmq.affinity.drain``: a dead worker's whole queue, a live one's excess over the bound. A worker is
-  forgotten once it has been dead for twice the visibility timeout (its unacked messages are back in its
-  queue by then) and its queues are empty.
+- Drain: once per beat period, by whichever live worker takes the sweep lock (``vlmq.keys.affinity_sweep``)
+  first, each registered worker queue (``vlmq.keys.affinity_workers``) is drained by ``vlmq.affinity.drain``:
+  a dead worker's whole queue, a live one's excess over the bound. A worker is forgotten once it has been
+  dead for twice the visibility timeout (its unacked messages are back in its queue by then) and its queues
+  are empty.
 
 Everything here is best effort: a Redis error is logged and the next beat tries again; jobs never wait on it.
 """
@@ -121,13 +122,19 @@ class FleetReporter:
         self._safely(self._publish_stats)
 
     def beat(self) -> None:
-        """Renew the heartbeat, counters and hot routes; drain the registered worker queues."""
+        """Renew the heartbeat, counters and hot routes; drain the worker queues if no other worker does now."""
         self._safely(self._publish_stats)
         if self.settings.affinity:
             with self._lock:
                 held = [keys.hot_input(k, self.model) for k in self.hot.entries]
             self._safely(lambda: self._claim(held))
-        self._safely(self.sweep)
+        self._safely(lambda: self._take_sweep() and self.sweep())
+
+    def _take_sweep(self) -> bool:
+        # one sweep per period across the fleet: the drain checks every worker queue, so n workers sweeping
+        # each period would cost n times the Redis calls for the same moves
+        lock = keys.affinity_sweep(self.model)
+        return bool(self.redis.set(lock, self.worker, nx=True, px=int(self.period * 1000)))
 
     def sweep(self) -> int:
         """Drain every registered worker queue (dead: all of it; live: past the bound); returns jobs moved."""

@@ -78,9 +78,11 @@ def test_a_beat_drains_a_dead_workers_queue_and_forgets_it_later(redis_client: o
     assert {j.info()["queue"] for j in jobs} == {own}
     if dies:
         dead.stop()  # its heartbeat goes at once (a SIGKILL lets it expire)
+    assert not live._take_sweep()  # w1's beat swept this period
+    redis_client.delete(keys.affinity_sweep(MODEL))  # the period is over
     live.beat()
     shared_depth, own_depth = affinity.queue_depths(redis_client, [keys.queue(MODEL, "xs"), own])
     assert (shared_depth, own_depth) == ((3, 0) if dies else (0, 3))
     live.forget_after = 0  # long dead: forgotten once its queues are empty
-    live.beat()
+    live.sweep()
     assert (redis_client.zscore(keys.affinity_workers(MODEL), "w1") is None) == dies
