@@ -26,13 +26,15 @@ DRAIN_BATCH = 1000  # messages moved per script call; callers loop while a call 
 
 # KEYS[1] the owner's heartbeat (worker_stats), KEYS[2..1+n] its queue's priority lists (priority order),
 # KEYS[2+n..1+2n] the shared queue's, same order. ARGV[1] jobs a live owner keeps, ARGV[2] the worker queue's
-# name, ARGV[3] the shared queue's, ARGV[4] most messages moved. Moves the excess (everything when the owner is
-# dead), lowest priority list first, oldest first, to the head of the shared lists in their original order.
+# name, ARGV[3] the shared queue's, ARGV[4] most messages moved, ARGV[5] the cost class. Moves the excess
+# (everything unless the owner is alive and consumes this queue: its heartbeat's own_queue_classes names the
+# class), lowest priority list first, oldest first, to the head of the shared lists in their original order.
 # Returns the number moved.
 DRAIN_SCRIPT = """
 local n = (#KEYS - 1) / 2
 local keep = 0
-if redis.call('EXISTS', KEYS[1]) == 1 then keep = tonumber(ARGV[1]) end
+local own = redis.call('HGET', KEYS[1], 'own_queue_classes')
+if own and string.find(',' .. own .. ',', ',' .. ARGV[5] .. ',', 1, true) then keep = tonumber(ARGV[1]) end
 local total = 0
 for i = 2, n + 1 do total = total + redis.call('LLEN', KEYS[i]) end
 local excess = math.min(total - keep, tonumber(ARGV[4]))
@@ -129,7 +131,8 @@ def drain(redis: Any, model: str, cost_class: str, worker: str, bound: int) -> i
     script_keys = [keys.worker_stats(worker), *keys.queue_lists(source), *keys.queue_lists(shared)]
     moved = 0
     while True:
-        n = int(redis.eval(DRAIN_SCRIPT, len(script_keys), *script_keys, bound, source, shared, DRAIN_BATCH))
+        n = int(redis.eval(DRAIN_SCRIPT, len(script_keys), *script_keys, bound, source, shared, DRAIN_BATCH,
+                           cost_class))
         moved += n
         if n < DRAIN_BATCH:
             return moved

@@ -14,7 +14,7 @@ from typing import Any
 from vlmq import keys
 from vlmq.storage import Storage
 
-_TEXT_FIELDS = ("model", "classes", "at")  # the rest of a heartbeat hash are integer counters
+_TEXT_FIELDS = ("model", "classes", "own_queue_classes", "at")  # the rest of a heartbeat hash are integer counters
 
 
 def _text(value: bytes | str) -> str:

@@ -173,7 +173,9 @@ class FleetReporter:
     def _publish_stats(self) -> None:
         if self._stopped.is_set():
             return
-        fields = {"model": self.model, "classes": ",".join(self.classes), "at": repr(time.time()),
+        own = ",".join(self.classes) if self.settings.affinity else ""  # the drain spares only queues consumed
+        fields = {"model": self.model, "classes": ",".join(self.classes), "own_queue_classes": own,
+                  "at": repr(time.time()),
                   "jobs_served": self.jobs_served, "hot_inputs": len(self.hot), **self.cache_stats()}
         key = keys.worker_stats(self.worker)
         pipe = self.redis.pipeline(transaction=False)

@@ -111,9 +111,13 @@ def test_a_dead_workers_queue_drains_whole_to_the_head_of_the_shared_queue(setti
     assert affinity.drain(redis_client, MODEL, "xs", "w1", bound=3) == 0
 
 
-def test_a_live_workers_queue_keeps_its_bound_and_moves_the_rest(settings: Settings, redis_client: object) -> None:
+def test_a_live_consumers_queue_keeps_its_bound_and_moves_the_rest(settings: Settings, redis_client: object) -> None:
+    _fill_worker_queue(settings, redis_client, 6)
+    redis_client.hset(keys.worker_stats("w1"), mapping={"model": MODEL, "own_queue_classes": "s"})
+    assert affinity.drain(redis_client, MODEL, "xs", "w1", bound=4) == 6  # alive, but no longer consuming xs
     ids = _fill_worker_queue(settings, redis_client, 6)
-    redis_client.hset(keys.worker_stats("w1"), "model", MODEL)  # w1's heartbeat
+    redis_client.delete(*keys.queue_lists("vlmq.tiny-shapes.xs"))
+    redis_client.hset(keys.worker_stats("w1"), "own_queue_classes", "s,xs")  # w1's heartbeat: it consumes xs
     assert affinity.drain(redis_client, MODEL, "xs", "w1", bound=4) == 2
     # the lowest priority list gives up its oldest jobs first
     assert job_ids(queued(redis_client, "vlmq.tiny-shapes.xs")) == [ids[0], ids[2]]
