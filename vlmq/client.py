@@ -182,7 +182,8 @@ class Client:
             ``encoder_cache_hits``, ...) and hit rates per cache tier; each live worker's own counters.
 
         Raises:
-            BackendError: Redis or the object store failed.
+            BackendError: Redis or the object store failed, or these credentials may not list them (a
+                tenant's may not: fleet accounting is for operators).
         """
         return self.store.call(fleet.cache_stats, self.redis, self.storage)
 
