@@ -45,7 +45,7 @@ def run(quant: str, first: list[Request], second: list[Request], cold: list[list
     t0 = time.perf_counter()
     answers = [o.token_ids for o in b.generate(second)]
     sizes = {"enc": 0, "prefix": 0}
-    for obj in storage.list_objects(keys.KV_ARCHIVE_ROOT):
+    for obj in storage.list_objects(keys.KV_ROOT):
         sizes[obj.key.split("/")[2]] += obj.size
     same = sum(x == y for x, y in zip(answers, cold, strict=True))
     row = {"encoding": quant or "lossless", "examples": len(second), "answers_unchanged": same,

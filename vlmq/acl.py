@@ -1,8 +1,9 @@
 """Redis ACL users for a pool with tenants, generated from ``vlmq.keys`` (Valkey / Redis 7 ACL syntax).
 
-A tenant's user may enqueue (``LPUSH`` onto the queue lists; ``LLEN`` for the queue limits) and read and
-write its own job records, done lists, cancel flags and idempotency keys, nothing else: no other
-tenant's keys, no reading queue contents, no ``SCAN``/``KEYS``, no kombu or admin keys. The queue
+A tenant's user may enqueue (``LPUSH`` onto the queue lists; ``LLEN`` for the queue limits), read and
+write its own job records, done lists, cancel flags and idempotency keys, and read the affinity routes of
+its own inputs (``%R~``: never write one), nothing else: no other tenant's keys, no reading queue
+contents, no ``SCAN``/``KEYS``, no kombu or admin keys. The queue
 commands sit in a selector, so they apply to the queue lists only and the record commands to the
 tenant's keys only. The worker user reaches every vlmq and kombu key but no admin or dangerous command.
 
@@ -21,8 +22,8 @@ WORKER_USER = "vlmq-worker"
 CONNECTION_COMMANDS = ["hello", "auth", "ping", "client|setinfo", "client|setname", "select"]
 # what the SDK runs on its own keys: records (HSET/EXPIRE/HGETALL), idempotency (SET NX GET, DEL on
 # release), waiting (BLMOVE on the done list), the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH) and
-# reading webhook delivery attempts (LRANGE, ``Job.deliveries()``)
-TENANT_COMMANDS = ["hgetall", "hget", "hset", "expire", "set", "del", "blmove", "rpush", "eval", "lrange"]
+# reading webhook delivery attempts (LRANGE, ``Job.deliveries()``), affinity routes of its own inputs (GET)
+TENANT_COMMANDS = ["hgetall", "hget", "hset", "expire", "set", "del", "blmove", "rpush", "eval", "lrange", "get"]
 # publishing is one LPUSH (the SDK publishes without declaring, see Client._publish); LLEN for queue limits
 QUEUE_COMMANDS = ["lpush", "llen"]
 
@@ -37,6 +38,7 @@ def tenant_rules(tenant: str) -> list[str]:
     commands = " ".join(f"+{c}" for c in QUEUE_COMMANDS)
     return ["resetchannels", "-@all", *(f"+{c}" for c in CONNECTION_COMMANDS + TENANT_COMMANDS),
             *(f"~{p}" for p in keys.tenant_key_patterns(tenant)),
+            *(f"%R~{p}" for p in keys.tenant_read_patterns(tenant)),  # routes: readable, never forged
             f"(~{keys.queue_pattern()} {commands})"]
 
 

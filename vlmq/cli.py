@@ -1,4 +1,4 @@
-"""The ``vlmq`` command: demo, up, worker, delivery, top, cost, submit, status, result, acl."""
+"""The ``vlmq`` command: demo, up, worker, delivery, top, cost, submit, status, result, acl, cache."""
 from __future__ import annotations
 
 import argparse
@@ -103,6 +103,30 @@ def _acl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache(args: argparse.Namespace) -> int:
+    from vlmq.client import Client
+
+    with Client.from_env() as client:
+        if args.action == "stats":
+            print(json.dumps(client.cache_stats(), indent=2, sort_keys=True))
+            return 0
+        if not args.model:
+            print("error: vlmq cache purge needs --model NAME (or a model hash from vlmq cache stats)",
+                  file=sys.stderr)
+            return 2
+        objects, size = client.purge_cache(args.model)
+        print(f"deleted {objects} archived objects ({size} bytes) of {args.model}")
+    return 0
+
+
+def _add_cache(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("cache", help="the fleet's caches: archive size and hit rates (stats), delete an archive "
+                       "(purge --model M)")
+    p.add_argument("action", choices=["stats", "purge"])
+    p.add_argument("--model", help="purge: the model name, or a model hash as stats shows it")
+    p.set_defaults(func=_cache)
+
+
 def _add_acl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("acl", help="print the Redis ACL user of a tenant or of the workers (docs/security.md)")
     who = p.add_mutually_exclusive_group(required=True)
@@ -171,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=_result)
     _add_acl(sub)
+    _add_cache(sub)
     return parser
 
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
-from vlmq import keys, rules
+from vlmq import affinity, cachestats, keys, rules
 from vlmq.cost import CostEstimate, estimate
 from vlmq.errors import BackendError, InvalidRequest, QueueFull
 from vlmq.images import ImageInfo, ImageLimits, ImageSource, is_storage_url, load_source, probe
@@ -177,6 +177,35 @@ class Client:
             pipe.llen(name)
         return sum(self.store.call(pipe.execute))
 
+    def cache_stats(self) -> dict[str, Any]:
+        """What the fleet's caches hold and how often they hit.
+
+        Returns:
+            ``{"archive": {model_hash: {"model", "objects", "bytes"}}, "models": {model: {"counters",
+            "hit_rates"}}, "workers": {worker: heartbeat fields}}``: the archive as listed under ``kv/`` in the
+            pool's storage; counters summed over the live workers of each model (``encoded_images``,
+            ``encoder_cache_hits``, ...) and hit rates per cache tier; each live worker's own counters.
+
+        Raises:
+            BackendError: Redis or the object store failed, or these credentials may not list them (a
+                tenant's may not: fleet accounting is for operators).
+        """
+        return self.store.call(cachestats.cache_stats, self.redis, self.storage)
+
+    def purge_cache(self, model: str) -> tuple[int, int]:
+        """Delete a model's archived KV and encoder outputs (``kv/<model-hash>/`` in the pool's storage).
+
+        Args:
+            model: a model name (as workers registered its archive) or a model hash (as ``cache_stats`` shows it).
+
+        Returns:
+            (objects, bytes) deleted.
+
+        Raises:
+            BackendError: Redis or the object store failed.
+        """
+        return self.store.call(cachestats.purge, self.redis, self.storage, model)
+
     # -- internals -----------------------------------------------------------------------------
 
     def _check_params(self, prompt: str, model: str, max_new_tokens: int, priority: int,
@@ -228,10 +257,11 @@ class Client:
             raise
         for item in {items[i].sha256: items[i] for i in fresh}.values():  # one storage check per distinct image
             self._store_input(item)
-        self.store.create(self._record(job_ids[i], items[i]) for i in fresh)
+        queues = self._route([items[i] for i in fresh])
+        self.store.create(self._record(job_ids[i], items[i], q) for i, q in zip(fresh, queues, strict=True))
         with self._celery.producer_or_acquire() as producer:
-            for i in fresh:
-                self._publish(job_ids[i], items[i], producer)
+            for i, queue in zip(fresh, queues, strict=True):
+                self._publish(job_ids[i], items[i], queue, producer)
         return [Job(self.store, job_id) for job_id in job_ids]
 
     def _claim_idempotency(self, items: list[_Prepared], job_ids: list[str], claimed: list[str]) -> list[int]:
@@ -271,29 +301,40 @@ class Client:
         if not self.storage.exists(input_key):
             self.storage.put(input_key, item.data)
 
-    def _record(self, job_id: str, item: _Prepared) -> dict[str, Any]:
+    def _route(self, items: list[_Prepared]) -> list[str]:
+        """Each job's queue: its input's hot worker's own queue (``vlmq.affinity``), else the shared class queue."""
+        if not self.settings.affinity:
+            return [item.queue for item in items]
+        jobs = [(keys.input_object(item.sha256, self.tenant), item.spec.name, item.cost.cost_class) for item in items]
+        try:
+            return affinity.route_jobs(self.redis, jobs, self.settings.affinity_queue_bound)
+        except redis_lib.RedisError as e:  # routing only changes speed: never fail a submit over it
+            log.warning("affinity routing failed (%s); using the shared queues", e)
+            return [item.queue for item in items]
+
+    def _record(self, job_id: str, item: _Prepared, queue: str) -> dict[str, Any]:
         cost, request, stamp = item.cost, item.request, repr(now())
         return {
             "id": job_id, "status": JobStatus.QUEUED.value, "model": item.spec.name, "prompt": request.prompt,
             "max_new_tokens": request.max_new_tokens, "priority": request.priority,
             "input_key": keys.input_object(item.sha256, self.tenant), "image_format": item.info.format,
             "width": item.info.width, "height": item.info.height, "vision_tokens": cost.vision_tokens,
-            "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class, "queue": item.queue,
+            "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class, "queue": queue,
             "created_at": stamp, "queued_at": stamp, "idempotency_key": request.idempotency_key or "",
             "attempts": 0, "ignore_eos": int(bool(request.ignore_eos)), "webhook": item.webhook,
         }
 
-    def _publish(self, job_id: str, item: _Prepared, producer: Any) -> None:
+    def _publish(self, job_id: str, item: _Prepared, queue: str, producer: Any) -> None:
         try:
             # declare=[]: publish is one LPUSH; workers declare the queues they consume, so producers need
             # no write access to kombu's shared binding keys (see vlmq.acl)
-            self._celery.send_task(TASK_NAME, args=[job_id], queue=item.queue, retry=False, producer=producer,
+            self._celery.send_task(TASK_NAME, args=[job_id], queue=queue, retry=False, producer=producer,
                                    priority=item.request.priority, declare=[])
         except Exception as e:  # kombu/redis raise many connection errors; the job must not look queued
             self.store.transition(job_id, [JobStatus.QUEUED], JobStatus.FAILED,
                                  {"error_type": "backend_error", "error_message": f"publish failed: {e}"})
             raise BackendError(f"could not enqueue job {job_id}: {e}") from e
-        log.info("job %s queued (%s, %d vision tokens)", job_id, item.cost.cost_class, item.cost.vision_tokens)
+        log.info("job %s queued on %s (%d vision tokens)", job_id, queue, item.cost.vision_tokens)
 
     def _wait_for_room(self, adding: Mapping[tuple[str, str], int], timeout: float) -> None:
         """Wait until every (model, class) queue has room for what this call adds (``VLMQ_MAX_QUEUE_DEPTH``)."""

@@ -107,6 +107,61 @@ def queue(model: str, cost_class: str) -> str:
     return f"vlmq.{model}.{cost_class}"
 
 
+def worker_slug(name: str) -> str:
+    """A worker name as it appears in key and queue names: ``[A-Za-z0-9_-]``, at most 64 characters.
+
+    ``host:1234`` becomes ``host-1234`` (``:`` separates a queue from its priority lists).
+    """
+    return re.sub(r"[^A-Za-z0-9_-]", "-", name)[:64] or "worker"
+
+
+def worker_queue(model: str, cost_class: str, worker: str) -> str:
+    """One worker's own queue for a model and cost class (cache-affinity routing, ``vlmq.affinity``).
+
+    The SDK sends a job here when its input is hot on that worker; the worker consumes it before the shared
+    class queue; live workers drain it back to the shared queue when the worker dies or it grows too long.
+    """
+    return f"{queue(model, cost_class)}.w.{worker_slug(worker)}"
+
+
+def hot_input(input_key: str, model: str) -> str:
+    """String ``<worker slug> <classes>``: a worker holds this input hot for this model (affinity routing).
+
+    Written by workers (expiring; refreshed while they hold it, deleted when they evict it); read by producers.
+    Named after the tenant-scoped input object, so a tenant's producers read only their own inputs' routes.
+    """
+    return f"{PREFIX}hot:{input_key}@{model}"
+
+
+def worker_stats(worker: str) -> str:
+    """Hash of one live worker: its model, classes and cache counters; expires when the worker stops renewing.
+
+    Written by workers; read by ``Client.cache_stats`` and by workers draining a dead worker's queues.
+    """
+    return f"{WORKER_STATS}{worker_slug(worker)}"
+
+
+WORKER_STATS = f"{PREFIX}worker:"  # the prefix of every worker_stats key
+
+
+def affinity_workers(model: str) -> str:
+    """Sorted set worker slug -> last heartbeat (unix s): workers that may own per-worker queues of a model.
+
+    Written by workers; a member is removed only after its worker is long dead and its queues are empty.
+    """
+    return f"{PREFIX}affinity:{model}"
+
+
+def affinity_sweep(model: str) -> str:
+    """Short-lived lock: the worker holding it drains a model's worker queues this period (one sweep per period)."""
+    return f"{PREFIX}affinity-sweep:{model}"
+
+
+def kv_models() -> str:
+    """Hash model-hash -> model name of the archives under ``kv/<model-hash>/`` (written by workers)."""
+    return f"{PREFIX}kv-models"
+
+
 def priority_list(queue_name: str, priority: int) -> str:
     """kombu's Redis list for one priority step of a queue (0 is the bare queue name)."""
     return f"{queue_name}{PRIORITY_SEP}{priority}" if priority else queue_name
@@ -147,6 +202,11 @@ def tenant_key_patterns(tenant: str) -> list[str]:
     return [job(ids), done(ids), canceled(ids), idempotency("*", tenant), deliveries(ids)]
 
 
+def tenant_read_patterns(tenant: str) -> list[str]:
+    """Glob patterns of keys a tenant's producers may read but never write: the affinity routes of its inputs."""
+    return [hot_input(input_object("*", check_tenant(tenant)), "*")]
+
+
 def queue_pattern() -> str:
     """Glob pattern of every queue list (all models, classes and priority steps)."""
     return queue("*", "*")
@@ -181,6 +241,14 @@ def input_key_allowed(job_id: str, key: str) -> bool:
     """
     pattern = re.escape(input_object("", tenant_of(job_id))) + "[0-9a-f]{64}"
     return isinstance(key, str) and re.fullmatch(pattern, key) is not None
+
+
+KV_ROOT = "kv/"  # the archive of every model: ``kv/<model-hash>/...`` in the pool's storage (its byte bound)
+
+
+def kv_prefix(model_hash: str) -> str:
+    """Storage prefix of one model's archived KV and encoder outputs (``kv/<model-hash>/``; ``vlmq cache purge``)."""
+    return f"{KV_ROOT}{model_hash}/"
 
 
 def result_object(job_id: str) -> str:
@@ -234,12 +302,6 @@ def has_owner(name: str) -> bool:
     structures) or keeps it on purpose (exchange bindings, a handful per pool)."""
     return (is_queue_list(name) or name in (UNACKED, UNACKED_INDEX, UNACKED_MUTEX)
             or name.startswith(KOMBU_BINDING_PREFIX))
-KV_ARCHIVE_ROOT = "kv/"  # every archived KV object of every model is under it (the archive's byte bound)
-
-
-def kv_model_prefix(model_hash: str) -> str:
-    """Where one checkpoint's archived KV lives: ``kv/<model-hash>/`` (``vlmq cache purge`` removes it)."""
-    return f"{KV_ARCHIVE_ROOT}{model_hash}/"
 
 
 def kv_object(model_hash: str, kind: str, key: str) -> str:
@@ -250,10 +312,10 @@ def kv_object(model_hash: str, kind: str, key: str) -> str:
     """
     if kind not in ("enc", "prefix"):
         raise ValueError(f"kind must be enc or prefix, got {kind!r}")
-    return f"{kv_model_prefix(model_hash)}{kind}/{key[:2]}/{key}"
+    return f"{kv_prefix(model_hash)}{kind}/{key[:2]}/{key}"
 
 
 def kv_model_manifest(model_hash: str) -> str:
     """``kv/<model-hash>/model.json``: ``{"model": name, "model_hash": hash}``, written once by the first worker
     that archives for the checkpoint, so tools can map a model name to its archive prefix (never trimmed)."""
-    return f"{kv_model_prefix(model_hash)}model.json"
+    return f"{kv_prefix(model_hash)}model.json"

@@ -64,9 +64,16 @@ def parse_delays(raw: str) -> tuple[float, ...]:
 
 
 def _flag(raw: str) -> bool:
-    if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
-        raise ValueError("must be 1 or 0")
-    return raw.lower() in ("1", "true", "yes")
+    value = raw.strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError("must be 1 or 0 (on or off)")
+
+
+def _format_flag(value: bool) -> str:
+    return "1" if value else "0"
 
 
 def _format_models(models: Mapping[str, str]) -> str:
@@ -128,6 +135,11 @@ class Settings:
     webhook_allow: str = _setting("", BOTH, "networks exempt from the webhook address guard (loopback, private, "
                                   "link-local, metadata, multicast are refused), e.g. `127.0.0.1/32`",
                                   shown="none")
+    affinity: bool = _setting(True, BOTH, "cache-affinity routing: producers send a job whose image is hot on a "
+                              "live worker to that worker's own queue, which it consumes first; `0` turns it off "
+                              "(only speed changes)", shown="`1` (on)", parse=_flag, to_text=_format_flag)
+    affinity_queue_bound: int = _setting(32, BOTH, "jobs a worker's own queue may hold: producers route to the "
+                                         "shared queue past it, live workers move the excess there")
     # -- read by producers (the SDK) -----------------------------------------------------------
     webhook_url: str = _setting("", PRODUCER, "default webhook of every job this producer submits "
                                 "(`Client(webhook=...)` and `submit(webhook=...)` override it)", shown="none")
@@ -185,11 +197,14 @@ class Settings:
     kv_disk_dir: str = _setting("", WORKER, "local-disk tier folder (emptied at start; one per worker)",
                                 shown="none (no disk tier)")
     kv_disk_bytes: int = _setting(0, WORKER, "local-disk tier bound, in bytes")
+    affinity_ttl: int = _setting(30, WORKER, "seconds a worker's heartbeat, cache counters and hot-image routes "
+                                 "live unless renewed (renewed every third of it); a dead worker's own queue "
+                                 "drains back to the shared queue after it")
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
                      "max_image_pixels", "job_ttl", "worker_budget", "worker_batch", "visibility_timeout",
-                     "max_attempts"):
+                     "max_attempts", "affinity_queue_bound", "affinity_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.broker_url.startswith(("redis://", "rediss://", "unix://")):

@@ -33,7 +33,7 @@ class Storage(ABC):
 
     @abstractmethod
     def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
-        """Every object whose key starts with ``prefix`` (any order); for the KV archive's byte bound."""
+        """Every object whose key starts with ``prefix``, in key order (the KV archive's bound, cache stats)."""
 
     @abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -204,15 +204,18 @@ class FileStorage(Storage):
                         yield path.relative_to(self.root).as_posix()
                 except FileNotFoundError:  # deleted or replaced since the walk listed it
                     continue
+
     def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
         if not base.is_dir():
             return
+        found = []
         for path in base.rglob("*"):
             key = path.relative_to(self.root).as_posix()
             if key.startswith(prefix) and not path.name.startswith(".tmp-") and path.is_file():
                 st = path.stat()
-                yield ObjectInfo(key, st.st_size, st.st_mtime)
+                found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        yield from sorted(found, key=lambda o: o.key)  # in key order, as S3 lists
 
     def key_of(self, uri: str) -> str:
         parsed = urlparse(uri)
@@ -333,7 +336,7 @@ class S3Storage(Storage):
                                                       ExpiresIn=expires))
 
     def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         head = f"{self.prefix}/" if self.prefix else ""
         try:
@@ -341,7 +344,7 @@ class S3Storage(Storage):
                                                                               Prefix=head + prefix):
                 for obj in page.get("Contents", ()):
                     yield ObjectInfo(obj["Key"][len(head):], int(obj["Size"]), obj["LastModified"].timestamp())
-        except ClientError as e:
+        except (BotoCoreError, ClientError) as e:
             raise BackendError(f"object store {self.url} failed listing {prefix}: {e}") from e
 
     def key_of(self, uri: str) -> str:

@@ -14,7 +14,9 @@ from vlmq.workers.jobrunner import WorkerContext, hand_back, run_job
 log = logging.getLogger(__name__)
 
 
-def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget, gate: Gate | None = None) -> Any:
+def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget, gate: Gate | None = None,
+                    first: frozenset[str] = frozenset()) -> Any:
+    """The worker app over ``budget``'s queues; ``first``: its own queues (affinity), consumed first."""
     from celery.exceptions import Reject
     from kombu import Queue
 
@@ -23,7 +25,7 @@ def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget, 
     app.conf.worker_concurrency = budget.max_jobs
     app.conf.worker_pool = "threads"
     app.conf.worker_send_task_events = settings.worker_events  # Flower and `celery events` see the tasks (-E)
-    app.steps["consumer"].add(cost_gate_step(budget, gate or Gate()))
+    app.steps["consumer"].add(cost_gate_step(budget, gate or Gate(), first))
     _hand_back_on_shutdown(settings, ctx)
 
     @app.task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)
@@ -46,6 +48,9 @@ def _hand_back_on_shutdown(settings: Settings, ctx: WorkerContext) -> None:
 
     @worker_shutting_down.connect(weak=False)
     def _on_shutdown(**_: object) -> None:
+        if ctx.fleet is not None:
+            ctx.fleet.stop()  # live workers drain this worker's own queues from now on
+
         def later() -> None:
             handed = ctx.batcher.hand_back_all("worker shutting down")
             if handed:

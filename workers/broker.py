@@ -17,6 +17,9 @@ kombu ``kombu.transport.redis.Channel`` (the consumer's task channel):
   - ``connection._deliver(message, queue)``: hands a decoded envelope to the consumer's callbacks.
   - ``qos.can_consume()``: whether the consumer may fetch now; narrowed by the cost gate.
   - ``qos.ack(tag)``: acks a refused message (kombu's unacked structures and its in-memory ones).
+  - the stored message form: ``json.dumps`` with default separators, so the routing key reads
+    ``"routing_key": "<queue>"``. ``vlmq.affinity.DRAIN_SCRIPT`` rewrites that text when it moves a worker
+    queue's messages to the shared queue (the message gate checks it; kombu restores by it).
 celery:
   - ``celery.worker.state.reserved_requests`` and ``active_requests``: the requests a worker holds; of each,
     ``Request.message.delivery_tag`` and ``Request.delivery_info["routing_key"]``.
@@ -190,18 +193,24 @@ def pop_command(queue_keys: Sequence[str]) -> list[Any]:
     return ["EVAL", POP_SCRIPT, len(script_keys), *script_keys, repr(time.time()), MAX_MESSAGE_BYTES]
 
 
-def pop_keys(channel: Any, allowed: set[str]) -> list[str]:
-    """kombu's queue cycle restricted to ``allowed`` queues, as Redis lists in priority-major order."""
+def pop_keys(channel: Any, allowed: set[str], first: frozenset[str] = frozenset()) -> list[str]:
+    """kombu's queue cycle restricted to ``allowed`` queues, as Redis lists in priority-major order.
+
+    Within each priority step the queues in ``first`` (the worker's own queues) come before the others.
+    """
     queues = [q for q in channel._queue_cycle.consume(len(channel.active_queues)) if q in allowed]
+    queues.sort(key=lambda q: q not in first)  # stable: the cycle's order within each group
     return [keys.priority_list(q, pri) for pri in channel.priority_steps for q in queues]
 
 
-def install(channel: Any, allowed: Callable[[], set[str]], gate: MessageGate) -> None:
-    """Consume only from the queues ``allowed()`` returns, with the atomic pop and the message gate."""
+def install(channel: Any, allowed: Callable[[], set[str]], gate: MessageGate,
+            first: frozenset[str] = frozenset()) -> None:
+    """Consume only from the queues ``allowed()`` returns, those in ``first`` before the others at each priority,
+    with the atomic pop and the message gate."""
     check_channel(channel)
     original = channel.qos.can_consume
     channel.qos.can_consume = MethodType(lambda qos: bool(allowed()) and original(), channel.qos)
-    _install_pop(channel, lambda ch: pop_keys(ch, allowed()), gate)
+    _install_pop(channel, lambda ch: pop_keys(ch, allowed(), first), gate)
 
 
 def _install_pop(channel: Any, queue_keys: Callable[[Any], list[str]], gate: MessageGate) -> None:

@@ -58,14 +58,18 @@ def explain_class_cost(spec: ModelSpec, cost_class: str, settings: Settings) -> 
            "(VLMQ_TEXT_TOKEN_BOUND)"
 
 
-def cost_gate_step(budget: CostBudget, gate: broker.MessageGate) -> type[bootsteps.StartStopStep]:
-    """A consumer bootstep (after Celery's Tasks step) installing the cost gate and the message gate."""
+def cost_gate_step(budget: CostBudget, gate: broker.MessageGate,
+                   first: frozenset[str] = frozenset()) -> type[bootsteps.StartStopStep]:
+    """A consumer bootstep (after Celery's Tasks step) installing the cost gate and the message gate.
+
+    ``first``: the worker's own queues (affinity routing), popped before the shared ones at each priority.
+    """
 
     class CostGate(bootsteps.StartStopStep):
         requires = (broker.CONSUMER_TASKS_STEP,)
 
         def start(self, c: Any) -> None:
-            broker.install(broker.task_channel(c), lambda: budget.fitting(broker.held_queues()), gate)
+            broker.install(broker.task_channel(c), lambda: budget.fitting(broker.held_queues()), gate, first)
             log.info("cost gate on: budget %d tokens, at most %d jobs, over %d queues", budget.budget,
                      budget.max_jobs, len(budget.queue_costs))
 

@@ -20,6 +20,7 @@ from vlmq.workers import metrics
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.batcher import Batcher, HandBack
 from vlmq.workers.decode import decode
+from vlmq.workers.fleet import FleetReporter
 from vlmq.workers.logs import job_context, phase
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class WorkerContext:
     batcher: Batcher
     model: str
     name: str
+    fleet: FleetReporter | None = None  # hot routes and counters for the fleet (None: this worker reports nothing)
 
     @property
     def limits(self) -> ImageLimits:
@@ -84,6 +86,8 @@ def _run(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
                      "deliveries crashed their worker or timed out", False)
     records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.STARTED, {"worker": ctx.name})
     log.info("job %s started on %s", job_id, ctx.name, extra=phase("started"))
+    if ctx.fleet is not None:
+        ctx.fleet.claim(record["input_key"])
     try:
         return _serve(ctx, job_id, record)
     except JobFailed as e:
@@ -122,6 +126,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     except Exception as e:
         raise JobFailed("model_error", f"{type(e).__name__}: {e}", retryable=True) from e
     t3 = time.monotonic()
+    if ctx.fleet is not None:
+        ctx.fleet.served(record["input_key"], output.image_tokens)
     timings = {"queue": max(0.0, now() - float(record["queued_at"]) - (t3 - t0)), "fetch": t1 - t0,
                "decode_image": t2 - t1, "model": t3 - t2}
     return _finish(ctx, job_id, record, output, timings)

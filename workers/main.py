@@ -77,6 +77,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.backends import load_backend
     from vlmq.workers.batcher import Batcher
     from vlmq.workers.costgate import CostBudget, explain_class_cost
+    from vlmq.workers.fleet import FleetReporter
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
     from vlmq.workers.retention import start_sweeper
@@ -84,8 +85,8 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
     spec = resolve_model(model, settings)
     check_device(settings.device)
-    budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
-                        settings.worker_batch)
+    shared = worker_queues(spec, settings, settings.worker_classes)
+    classes = [c for c in cost_classes(settings).names if keys.queue(spec.name, c) in shared]
     name = name or default_name()
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
     kv_store = None
@@ -95,11 +96,17 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
         kv_store = store_from_settings(settings, spec.name, model_dir(spec), storage)
     backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
                            kv_store=kv_store)
-    ctx = WorkerContext(settings, redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3),
-                        storage, Batcher(backend, settings.worker_batch), spec.name, name)
-    app = make_worker_app(settings, ctx, budget)
+    redis = redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3)
+    fleet = FleetReporter(redis, settings, spec.name, name, classes, backend.cache_stats)
+    # the worker's own queues (affinity routing) cost what the shared queue of their class costs
+    own = {keys.worker_queue(spec.name, c, name): shared[keys.queue(spec.name, c)]
+           for c in classes} if settings.affinity else {}
+    budget = CostBudget({**own, **shared}, settings.worker_budget, settings.worker_batch)
+    ctx = WorkerContext(settings, redis, storage, Batcher(backend, settings.worker_batch), spec.name, name, fleet)
+    app = make_worker_app(settings, ctx, budget, first=frozenset(own))
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
     start_sweeper(settings, ctx.redis, ctx.storage, name)
+    fleet.start(getattr(backend, "archive_model_hash", None))  # set by a backend that archives KV
     log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
              settings.backend, list(budget.queue_costs))
     served = [c for c in cost_classes(settings).names if keys.queue(spec.name, c) in budget.queue_costs]

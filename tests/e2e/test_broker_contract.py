@@ -65,3 +65,30 @@ def test_a_channel_laid_out_differently_is_refused_by_name(channel: Any, monkeyp
     monkeypatch.delattr(channel, "_queue_cycle")
     with pytest.raises(broker.BrokerContractError, match="Channel._queue_cycle is missing"):
         broker.check_channel(channel)
+
+
+def test_a_worker_queue_is_popped_before_the_shared_queue_at_each_priority(channel: Any) -> None:
+    shared, own = keys.queue("m", "xs"), keys.worker_queue("m", "xs", "w1")
+    channel._active_queues[:] = [shared, own]  # what basic_consume does (kombu's cycle order: shared first)
+    channel._queue_cycle.update([shared, own])
+    popped = broker.pop_keys(channel, {shared, own}, first=frozenset({own}))
+    assert popped[:4] == [own, shared, keys.priority_list(own, 1), keys.priority_list(shared, 1)]
+    assert broker.pop_keys(channel, {shared}, first=frozenset({own}))[:2] == [shared, keys.priority_list(shared, 1)]
+
+
+def test_kombu_stores_the_routing_key_in_the_form_the_drain_script_rewrites(redis_url: str, redis_client: Any,
+                                                                             tmp_path: Path) -> None:
+    import io
+    import json
+
+    from PIL import Image
+
+    from vlmq.client import Client
+
+    own = keys.worker_queue("tiny-shapes", "xs", "w1")
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(buf, "PNG")
+    with Client(redis_url, f"file://{tmp_path}") as client:
+        client._celery.send_task("vlmq.run_job", args=["0" * 32], queue=own, declare=[])
+    raw = redis_client.rpop(own).decode()
+    assert f'"routing_key": {json.dumps(own)}' in raw

@@ -40,7 +40,7 @@ def tier_counts(worker: WorkerProcess) -> dict[str, int]:
 
 def archived_objects(settings: Settings) -> list[str]:
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
-    return [o.key for o in storage.list_objects(keys.KV_ARCHIVE_ROOT)]
+    return [o.key for o in storage.list_objects(keys.KV_ROOT)]
 
 
 def serve(settings: Settings, log_path, image: bytes, question: str,

@@ -220,6 +220,11 @@ def test_a_tenants_credentials_cannot_scan_read_write_or_steal_anything_else(poo
     with pool.client("bob") as bob:
         bobs = bob.submit(png((3, 3, 3)), "What colour is the image?", max_new_tokens=4)
         bobs.result(timeout=300)
+        # bob reads the route of his own input: the worker that served it holds it hot
+        again = bob.submit(png((3, 3, 3)), "Is it dark?", max_new_tokens=4).info()["queue"]
+        assert again == keys.worker_queue("tiny-shapes", again.split(".")[2], "tenants-worker")
+    acme_route = keys.hot_input(keys.input_object("a" * 64, "acme"), "tiny-shapes")
+    bobs_route = keys.hot_input(bobs.info()["input_key"], "tiny-shapes")
     with pool.client("acme") as acme:
         own = acme.submit(png((5, 5, 5)), "What colour is the image?", max_new_tokens=4)
         queue = own.info()["queue"]
@@ -233,13 +238,14 @@ def test_a_tenants_credentials_cannot_scan_read_write_or_steal_anything_else(poo
         lambda: raw.eval(f"return redis.call('HGETALL', '{keys.job(bobs.id)}')", 0),
         lambda: raw.lpush(keys.done(bobs.id), "finished"), lambda: raw.config_get("*"),
         lambda: raw.execute_command("ACL", "LIST"), lambda: raw.flushdb(),
+        lambda: raw.set(acme_route, "elsewhere xs"), lambda: raw.get(bobs_route),  # routes: read own, forge none
     ]
     try:
         for call in refused:  # NoPermissionError; a script's own refusal is a ResponseError that says why
             with pytest.raises(redis.exceptions.ResponseError, match="NOPERM|[Nn]o permissions"):
                 call()
         assert raw.hgetall(keys.job(own.id))[b"status"]  # its own record stays readable
-        assert raw.llen(queue) >= 0
+        assert raw.llen(queue) >= 0 and raw.get(acme_route) is None
     finally:
         raw.close()
     with pool.client("bob") as bob:

@@ -99,7 +99,7 @@ def test_demoted_items_flow_host_disk_archive_within_their_budgets(tmp_path) -> 
             store.flush()
             st = store.stats()
             assert st["host_used_bytes"] <= config.host_bytes and st["disk_used_bytes"] <= config.disk_bytes
-            total = sum(o.size for o in storage.list_objects(keys.KV_ARCHIVE_ROOT))
+            total = sum(o.size for o in storage.list_objects(keys.KV_ROOT))
             assert total <= config.archive_bytes
         assert store.stats()["archive_deleted"] > 0  # the oldest were deleted to hold the bound
         newest = f"b{num_items - 1:03d}"  # in host: a hit there; an older one from disk; one from the archive

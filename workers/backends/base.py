@@ -41,6 +41,13 @@ class Backend(ABC):
     def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
         """Serve a batch; a failure of one request is returned in its slot, not raised."""
 
+    def cache_stats(self) -> dict[str, int]:
+        """Cache counters and sizes the worker publishes to the fleet (``vlmq.workers.fleet``); none by default.
+
+        ``encoder_cache_bytes`` and ``encoder_bytes_per_token`` size the worker's hot set (affinity routing).
+        """
+        return {}
+
 
 class StreamingBackend(Backend):
     """A backend requests can join while others run (continuous batching): the worker's batcher starts each

@@ -86,7 +86,15 @@ class EngineBackend(StreamingBackend):
         for name in ("restored_images", "restored_blocks", "fetch_late", "fetch_skipped", "archive_fetches"):
             out[f"tier_{name}"] = tiers.counts[name] if tiers is not None else 0
         out.update(self.kv_store.stats() if self.kv_store is not None else empty_stats())
+        # what the affinity reporter needs to model this worker's encoder cache
+        cfg = self.engine.config
+        out.update(encoder_cache_bytes=cfg.encoder_cache_bytes, encoder_bytes_per_token=cfg.encoder_bytes_per_token)
         return out
+
+    @property
+    def archive_model_hash(self) -> str | None:
+        """The checkpoint hash naming this worker's archive prefix (``kv/<hash>/``), None without an archive."""
+        return self.kv_store.model_hash if self.kv_store is not None else None
 
     def _one(self, request: GenRequest) -> GenOutput | Exception:
         try:
