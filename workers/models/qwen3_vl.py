@@ -54,14 +54,14 @@ def bilinear_taps(n: int, side: int) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 def interpolate_pos_embed(table: torch.Tensor, grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     """The learned [side², E] table resampled to every image's (h, w) patch grid, rows in the processor's patch
-    order (merge×merge blocks row-major), frames repeated -> [sum t*h*w, E]."""
+    order (merge×merge blocks row-major), frames repeated -> [sum t*h*w, E] float32."""
     side = int(table.shape[0] ** 0.5)
-    grid = table.view(side, side, -1)
+    grid = table.float().view(side, side, -1)  # weights and sums in float32, as the reference (bf16 tables too)
     out = []
     for t, h, w in grid_thw.tolist():
         h0, h1, fh = (x.to(table.device) for x in bilinear_taps(h, side))
         w0, w1, fw = (x.to(table.device) for x in bilinear_taps(w, side))
-        fh, fw = fh[:, None, None].to(table.dtype), fw[None, :, None].to(table.dtype)
+        fh, fw = fh[:, None, None], fw[None, :, None]
         top = grid[h0][:, w0] * (1 - fw) + grid[h0][:, w1] * fw  # [h, w, E]
         bottom = grid[h1][:, w0] * (1 - fw) + grid[h1][:, w1] * fw
         emb = top * (1 - fh) + bottom * fh
