@@ -8,7 +8,7 @@ from test_model_parity import IDS, Runner, Seq, check, reference_logits, run_mix
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from vlmq.workers.models.loader import load_model
+from vlmq.workers.models.loader import checkpoint_key_to_param, load_model
 from vlmq.workers.models.qwen3_vl import Qwen3VLModel
 
 # head_dim 32 != hidden / heads; 16 rotary frequencies: t takes 0,3,..,15, h 1,4,..,13, w 2,5,..,14
@@ -66,3 +66,20 @@ def test_mixed_sizes_chunked_prefill_through_images(models):
     prefill advances in chunks of 5 that cut through its images (DeepStack rows sliced by chunk) beside decodes."""
     ref, ours = models
     run_mixed_steps(ref, ours, seq([(64, 96), (160, 128)], seed=2), seq([(224, 64)], seed=3), seq([], seed=4))
+
+
+def test_full_size_config_has_the_checkpoint_layout():
+    """A Qwen3-VL-4B-shaped config (head_dim 128 != hidden / heads, three DeepStack taps) on the meta device: every
+    weight transformers saves maps to one of ours with the same shape, and none of ours is left over."""
+    config = Qwen3VLConfig(
+        text_config=dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, rope_parameters={
+                             "rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20]}),
+        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
+                           deepstack_visual_indexes=[5, 11, 17]))
+    with torch.device("meta"):
+        theirs = Qwen3VLForConditionalGeneration._from_config(config)
+        ours = Qwen3VLModel(config)
+    expected = {checkpoint_key_to_param(k): tuple(v.shape) for k, v in theirs.state_dict().items()}
+    assert expected == {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    assert ours.encoder_output_width == config.text_config.hidden_size * 4
