@@ -67,10 +67,11 @@ def make_image(w: int, h: int, seed: int) -> Image.Image:
 class Seq:
     """One request: prompt ids in the Qwen2-VL layout, its images' pixels and its engine `Sequence`."""
 
-    def __init__(self, sizes: list[tuple[int, int]], seed: int) -> None:
+    def __init__(self, sizes: list[tuple[int, int]], seed: int, processor=PROCESSOR) -> None:
         rnd = random.Random(seed)
-        feats = PROCESSOR([make_image(w, h, seed + i) for i, (w, h) in enumerate(sizes)]) if sizes else None
-        self.pixels = torch.empty(0, 3 * 2 * 14 * 14) if feats is None else torch.as_tensor(feats["pixel_values"])
+        feats = processor([make_image(w, h, seed + i) for i, (w, h) in enumerate(sizes)]) if sizes else None
+        patch_dim = 3 * processor.temporal_patch_size * processor.patch_size**2
+        self.pixels = torch.empty(0, patch_dim) if feats is None else torch.as_tensor(feats["pixel_values"])
         self.grid = torch.empty(0, 3, dtype=torch.long) if feats is None else torch.as_tensor(feats["image_grid_thw"])
         ids, images = [rnd.randrange(280) for _ in range(3)], []
         for k, (t, h, w) in enumerate(self.grid.tolist()):
@@ -161,7 +162,12 @@ def test_multi_image_batch_mixed_steps(models):
     """Three requests (two images of different sizes, one image, text only) share one packed encoder call and
     mixed steps: chunked prefills (cutting through images) beside decodes, on scattered cache blocks."""
     ref, ours = models
-    a, b, c = Seq([(56, 84), (140, 112)], seed=2), Seq([(196, 56)], seed=3), Seq([], seed=4)
+    run_mixed_steps(ref, ours, Seq([(56, 84), (140, 112)], seed=2), Seq([(196, 56)], seed=3), Seq([], seed=4))
+
+
+def run_mixed_steps(ref, ours, a: Seq, b: Seq, c: Seq) -> None:
+    """a's prefill starts beside b's and c's whole prefills, then continues in chunks of 5 while b and c decode;
+    all logits are checked against the reference."""
     runner = Runner(ours, [a, b, c])
     outs = {x: [] for x in (a, b, c)}
     first = runner.step([(a, 7), (b, b.prompt_len), (c, c.prompt_len)])

@@ -107,8 +107,9 @@ class Engine:
         model_dir, device = Path(model_dir), torch.device(device)
         dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
         model = load_model(model_dir, device, dtype)
-        hidden = model.config.text_config.hidden_size
-        config.setdefault("encoder_bytes_per_token", hidden * torch.finfo(dtype).bits // 8)
+        # an image token's encoder output: the LM hidden size, wider where the family keeps more (DeepStack)
+        width = getattr(model, "encoder_output_width", model.config.text_config.hidden_size)
+        config.setdefault("encoder_bytes_per_token", width * torch.finfo(dtype).bits // 8)
         processor = load_processor(model_dir)
         # the largest image the processor can produce must fit one step's encoder budget, or it is refused
         config.setdefault("max_num_encoder_patches", max(EngineConfig().max_num_encoder_patches,

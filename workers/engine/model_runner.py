@@ -96,18 +96,26 @@ class ModelRunner:
             return torch.empty(0, self.model.config.text_config.hidden_size, device=self.device)
         batch = self._build(out.scheduled)
         meta = self._metadata(out.scheduled)
-        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
-        x = self.model.language_model.embed_tokens(ids)  # [T, hidden]
-        if batch.image_rows:
-            rows = torch.tensor(batch.image_rows, dtype=torch.long, device=self.device)
-            x = x.index_copy(0, rows, torch.cat(batch.image_embeds).to(x.dtype))
+        x, lm_kwargs = self._embed(batch)  # [T, hidden]
         positions = torch.cat(batch.positions, dim=1).to(self.device)  # [R, T]
         t2 = time.perf_counter()
-        hidden = self.model.language_model(x, positions, meta, self.kv_caches)  # [T, hidden]
+        hidden = self.model.language_model(x, positions, meta, self.kv_caches, **lm_kwargs)  # [T, hidden]
         t3 = time.perf_counter()
         for name, a, b in (("encode", t0, t1), ("prepare", t1, t2), ("forward", t2, t3)):
             self.timings[name] += b - a
         return hidden
+
+    def _embed(self, batch: _Batch) -> tuple[torch.Tensor, dict]:
+        # input embeddings [T, hidden] with the image rows from the encoder, and extra LM arguments
+        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
+        if not batch.image_rows:
+            return self.model.language_model.embed_tokens(ids), {}
+        rows = torch.tensor(batch.image_rows, dtype=torch.long, device=self.device)
+        feats = torch.cat(batch.image_embeds)  # [K, encoder output width]
+        if hasattr(self.model, "embed_inputs"):  # the encoder output holds more than input embeddings (DeepStack)
+            return self.model.embed_inputs(ids, rows, feats)
+        x = self.model.language_model.embed_tokens(ids)
+        return x.index_copy(0, rows, feats.to(x.dtype)), {}
 
     def _encode(self, out: SchedulerOutput) -> None:
         # One packed call for every image of the step, whichever sequences they came from.

@@ -9,15 +9,16 @@ from vlmq.workers.layers.rotary import apply_rotary
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, embed_dim: int) -> None:
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, embed_dim: int,
+                 bias: bool = False) -> None:
         super().__init__()
         kernel = (temporal_patch_size, patch_size, patch_size)
-        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [P, C*Tp*p*p]; a conv with stride == kernel over one patch is a matmul with the flattened kernel
         w = self.proj.weight
-        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1))  # [P, E]
+        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)  # [P, E]
 
 
 class VisionAttention(nn.Module):

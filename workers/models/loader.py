@@ -1,4 +1,4 @@
-"""Load our Qwen2-VL / Qwen2.5-VL model code from a local Hugging Face checkpoint folder.
+"""Load our Qwen2-VL / Qwen2.5-VL / Qwen3-VL model code from a local Hugging Face checkpoint folder.
 
 Reads `config.json` (through transformers' config classes) and every `*.safetensors` file. Both key layouts
 are accepted: the original one (`model.layers.*`, `visual.*`, `lm_head.*`, which transformers 5.24 still
@@ -15,8 +15,10 @@ from transformers import AutoConfig
 
 from vlmq.workers.models.qwen2_5_vl import Qwen2_5_VLModel
 from vlmq.workers.models.qwen2_vl import Qwen2VLModel
+from vlmq.workers.models.qwen3_vl import Qwen3VLModel
 
-MODEL_CLASSES: dict[str, type[Qwen2VLModel]] = {"qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2_5_VLModel}
+MODEL_CLASSES: dict[str, type[Qwen2VLModel]] = {
+    "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2_5_VLModel, "qwen3_vl": Qwen3VLModel}
 
 # checkpoint key prefix -> our module prefix, first match wins (new layout before the old "model." catch-all)
 _PREFIXES = (

@@ -103,6 +103,10 @@ class Qwen2VisionTransformer(nn.Module):
 
 
 # -------------------------------------------------------------------------------------------- language model
+def head_dim_of(tc) -> int:
+    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads  # Qwen3 sets it apart
+
+
 class Qwen2Attention(nn.Module):
     def __init__(self, tc) -> None:
         super().__init__()
@@ -123,9 +127,11 @@ class Qwen2Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_cls: type[nn.Module] = Qwen2Attention  # Qwen3-VL swaps in its q/k-normed attention
+
     def __init__(self, tc) -> None:
         super().__init__()
-        self.self_attn = Qwen2Attention(tc)
+        self.self_attn = self.attention_cls(tc)
         self.mlp = GatedMLP(tc.hidden_size, tc.intermediate_size, tc.hidden_act)
         self.input_layernorm = RMSNorm(tc.hidden_size, tc.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(tc.hidden_size, tc.rms_norm_eps)
@@ -136,6 +142,11 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
+    # family hooks (Qwen3-VL overrides them)
+    layer_cls: type[nn.Module] = DecoderLayer
+    rotary_cls: type[MRotaryEmbedding] = MRotaryEmbedding
+    default_mrope_section = (16, 24, 24)
+
     def __init__(self, tc) -> None:
         super().__init__()
         if "sliding_attention" in (getattr(tc, "layer_types", None) or []):
@@ -144,10 +155,10 @@ class TextModel(nn.Module):
         if rope.get("rope_type", "default") != "default":
             raise NotImplementedError(f"rope_type {rope['rope_type']!r} is not supported")
         self.embed_tokens = nn.Embedding(tc.vocab_size, tc.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(tc) for _ in range(tc.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(tc) for _ in range(tc.num_hidden_layers))
         self.norm = RMSNorm(tc.hidden_size, tc.rms_norm_eps)
-        head_dim = tc.hidden_size // tc.num_attention_heads
-        self.rotary_emb = MRotaryEmbedding(head_dim, rope["rope_theta"], rope.get("mrope_section", [16, 24, 24]))
+        section = list(rope.get("mrope_section", self.default_mrope_section))
+        self.rotary_emb = self.rotary_cls(head_dim_of(tc), rope["rope_theta"], section)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]):
         # embeds: [T, hidden]; positions: [3, T] -> hidden states [T, hidden]
@@ -164,15 +175,16 @@ class Qwen2VLModel(nn.Module):
     it samples from. Another family plugs in with the same methods (a 1-D family returns positions [1, L])."""
 
     vision_cls: type[nn.Module] = Qwen2VisionTransformer
+    text_cls: type[nn.Module] = TextModel
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         tc = config.text_config
         self.visual = self.vision_cls(config.vision_config)
-        self.language_model = TextModel(tc)
+        self.language_model = self.text_cls(tc)
         self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
-        self.num_kv_heads, self.head_dim = tc.num_key_value_heads, tc.hidden_size // tc.num_attention_heads
+        self.num_kv_heads, self.head_dim = tc.num_key_value_heads, head_dim_of(tc)
         self.max_positions = tc.max_position_embeddings
 
     def prompt_positions(self, token_ids: list[int], grid_thw: torch.Tensor) -> tuple[torch.Tensor, int]:
