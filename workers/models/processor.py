@@ -34,6 +34,16 @@ class Qwen2VLImageProcessor(Qwen2VLProcessor):
         """Token ids that stand for one image of `num_tokens` LM tokens in the prompt."""
         return [self.image_token_id] * num_tokens
 
+    def image_inputs(self, images) -> tuple[dict, list[int]]:
+        """transformers' model inputs for `images` and each image's LM tokens (for the `hf` backend)."""
+        feats = self.image_processor(images=images, return_tensors="pt")
+        merge = self.image_processor.merge_size
+        return dict(feats), [int(grid.prod()) // merge**2 for grid in feats["image_grid_thw"]]
+
+    def text_inputs(self, input_ids, attention_mask) -> dict:
+        """Inputs transformers' model derives from the prompt: Qwen2-VL's M-RoPE needs the image-token mask."""
+        return {"mm_token_type_ids": (input_ids == self.image_token_id).int() * attention_mask}
+
 
 class InternVLImageProcessor(InternVLProcessor):
     """InternVLProcessor for images only (no video processor, so no torchvision)."""
@@ -43,6 +53,13 @@ class InternVLImageProcessor(InternVLProcessor):
 
     def image_span(self, num_tokens: int) -> list[int]:
         return [self.start_image_token_id, *[self.image_token_id] * num_tokens, self.end_image_token_id]
+
+    def image_inputs(self, images) -> tuple[dict, list[int]]:
+        feats = self.image_processor(images=images, crop_to_patches=True, return_tensors="pt")  # as __call__ does
+        return {"pixel_values": feats["pixel_values"]}, [int(n) * self.image_seq_length for n in feats["num_patches"]]
+
+    def text_inputs(self, input_ids, attention_mask) -> dict:
+        return {}
 
 
 _PROCESSORS = {"internvl": InternVLImageProcessor}  # model_type -> image-only processor; Qwen2-VL's otherwise
