@@ -5,11 +5,13 @@ workload with the encoder and prefix caches on."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from tiny.internvl import build_internvl
 from transformers import AutoModelForImageTextToText
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -176,6 +178,21 @@ def test_prompt_positions_check_image_tokens(checkpoint):
     assert positions.tolist() == [list(range(r.prompt_len))] and delta == 0
     with pytest.raises(ValueError, match="image tokens"):
         ours.prompt_positions(r.seq.token_ids, torch.tensor([[1, 1, 1]]))
+
+
+def test_hub_key_layout_and_feature_layer(tmp_path):
+    """The Hub's -hf key layout (`model.language_model.*`, `model.vision_tower.*`, ...) loads to the same logits,
+    here with features taken from an inner vision layer (vision_feature_layer=-2)."""
+    path = build_internvl(tmp_path / "saved", vision=dict(num_hidden_layers=3), vision_feature_layer=-2)
+    ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    state = load_file(path / "model.safetensors")
+    renamed = {"model." + k.replace("language_model.model.", "language_model."): v for k, v in state.items()}
+    assert {"model.language_model.embed_tokens.weight", "model.vision_tower.embeddings.cls_token"} <= renamed.keys()
+    shutil.copytree(path, tmp_path / "hub", ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(renamed, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    ours = load_model(tmp_path / "hub", "cpu", torch.float32)
+    r = Req(load_processor(tmp_path / "hub"), ours, (90, 140), seed=9)
+    check(Runner(ours, [r]).step([(r, r.prompt_len)])[0], reference_logits(ref, r))
 
 
 # ------------------------------------------------------------------------------------- greedy, the engine
