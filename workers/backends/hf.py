@@ -81,15 +81,12 @@ class HFBackend(Backend):
 
     def _inputs(self, batch: list[GenRequest]) -> dict[str, torch.Tensor]:
         # what the processor returns for these prompts, except that the user's text stays plain text
-        images = self.processor.image_processor(images=[r.image for r in batch], return_tensors="pt")
-        merge = self.processor.image_processor.merge_size
-        rows = [self.chat.ids(r.prompt, int(grid.prod()) // merge**2)
-                for r, grid in zip(batch, images["image_grid_thw"], strict=True)]
+        images, num_tokens = self.processor.image_inputs([r.image for r in batch])
+        rows = [self.chat.ids(r.prompt, n) for r, n in zip(batch, num_tokens, strict=True)]
         width = max(len(ids) for ids in rows)
         input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in rows])  # [B, L] left-padded
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
-        return {"input_ids": input_ids, "attention_mask": mask, "mm_token_type_ids": (input_ids == self.image_token_id)
-                .int() * mask, **images}
+        return {"input_ids": input_ids, "attention_mask": mask, **self.processor.text_inputs(input_ids, mask), **images}
 
     def _output(self, inputs: dict, out: torch.Tensor, row: int, prompt_len: int, ignore_eos: bool) -> GenOutput:
         ids = out[row, prompt_len:].tolist()

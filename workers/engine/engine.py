@@ -32,15 +32,19 @@ from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .kv_budget import kv_cache_num_blocks
 from .kv_tiers import KVTiers
 from .model_runner import ModelRunner
-from .preprocess import ImagePreprocessor
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence
+from .tiling import TilingPreprocessor, image_preprocessor_for
 
 __all__ = ["Engine", "EngineStats", "Request", "RequestOutput", "default_model_id"]
 
 
-def largest_image_patches(image_processor: Any) -> int:
-    """ViT patches of the largest image the processor emits (its max_pixels over the patch area)."""
+def largest_image_patches(image_processor: Any, model: Any = None) -> int:
+    """ViT patches of the largest image the processor emits: its max_pixels over the patch area or, for a tiling
+    processor, its most tiles (thumbnail included) as the model counts them."""
+    fast = image_preprocessor_for(image_processor.to_dict())
+    if isinstance(fast, TilingPreprocessor):
+        return model.image_counts(fast.largest_grid())[0][0]
     size = getattr(image_processor, "size", None)
     max_pixels = getattr(size, "longest_edge", None) or getattr(image_processor, "max_pixels", None) or 0
     return int(max_pixels) // image_processor.patch_size ** 2
@@ -73,7 +77,7 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config, self.scheduler.encoder_cache, device)
         self.tokenizer = processor.tokenizer
-        image_pre = ImagePreprocessor.from_preprocessor_config(processor.image_processor.to_dict())
+        image_pre = image_preprocessor_for(processor.image_processor.to_dict())  # tiles or native resolution
         self.preprocessor = Preprocessor(processor, image_pre, model, model_id, eos_token_ids, share_encoder_outputs)
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
@@ -113,7 +117,7 @@ class Engine:
         processor = load_processor(model_dir)
         # the largest image the processor can produce must fit one step's encoder budget, or it is refused
         config.setdefault("max_num_encoder_patches", max(EngineConfig().max_num_encoder_patches,
-                                                         largest_image_patches(processor.image_processor)))
+                                                         largest_image_patches(processor.image_processor, model)))
         engine_config = EngineConfig(**config)
         if sized:
             num_blocks = kv_cache_num_blocks(model, device, engine_config.block_size, kv_cache_bytes,

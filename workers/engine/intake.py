@@ -50,7 +50,7 @@ class RequestOutput:
 @dataclass(slots=True)
 class Prepared:
     seq: Sequence
-    pixel_values: torch.Tensor  # [P, C*Tp*p*p]
+    pixel_values: torch.Tensor  # the image's rows in the model's layout: patches [P, C*Tp*p*p] or tiles [T, C, S, S]
     grid_thw: torch.Tensor  # [N, 3]
     positions: torch.Tensor  # [R, num_prompt_tokens] the model's rotary positions of the prompt (R = 3: M-RoPE)
     rope_delta: int  # generated token i (i >= prompt length) sits at position i + rope_delta
@@ -78,11 +78,10 @@ class Preprocessor:
         sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature)
         check_text_tokens(len(self.prompt_ids(req.question)) - 1, req)
         try:
-            pixel_values, grid_thw = self.image_preprocessor([req.image])  # [P, D], [1, 3]
+            pixel_values, grid_thw = self.image_preprocessor([req.image])  # patches [P, D] or tiles [T, 3, S, S]
         except ValueError as e:
             raise RequestRejected(str(e), "invalid_image") from e
-        num_patches = int(grid_thw.prod())
-        num_tokens = num_patches // self.image_preprocessor.policy.merge_size ** 2
+        ((num_patches, num_tokens),) = self.model.image_counts(grid_thw)  # encoder patches, LM tokens
         ids = self.prompt_ids(req.question, num_tokens)
         at = ids.index(self.image_token_id)
         positions, delta = self.positions(ids, grid_thw, req.max_new_tokens)

@@ -30,9 +30,9 @@ from .sequence import SeqId, Sequence
 
 @dataclass(slots=True)
 class SeqInputs:
-    pixel_values: torch.Tensor  # [P, C*Tp*p*p] float32 patches of the sequence's images, back to back
+    pixel_values: torch.Tensor  # the sequence's images back to back: [P, C*Tp*p*p] patches or [T, C, S, S] tiles
     grid_thw: torch.Tensor  # [N, 3] int64, one row per image, in placeholder order
-    patch_offsets: list[int]  # [N + 1] row offsets of each image in pixel_values
+    patch_offsets: list[int]  # [N + 1] row offsets of each image in pixel_values (model.pixel_rows)
     positions: torch.Tensor  # [R, num_prompt_tokens] the model's positions of the prompt (R = 3 for M-RoPE)
     rope_delta: int  # generated token i (i >= prompt length) sits at position i + rope_delta
 
@@ -64,7 +64,7 @@ class ModelRunner:
                    rope_delta: int) -> None:
         """Register a sequence's images and prompt positions (kept until it finishes: a preempted one may need
         them again)."""
-        offsets = list(accumulate(grid_thw.prod(-1).tolist(), initial=0))
+        offsets = list(accumulate(self.model.pixel_rows(grid_thw), initial=0))  # the model's layout: patches, tiles
         self.inputs[seq_id] = SeqInputs(pixel_values, grid_thw, offsets, positions, rope_delta)
 
     def drop(self, seq_ids: list[SeqId]) -> None:

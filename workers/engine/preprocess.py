@@ -65,18 +65,7 @@ class ImagePreprocessor:
     @classmethod
     def from_preprocessor_config(cls, config: Mapping[str, Any]) -> ImagePreprocessor:
         """From a `preprocessor_config.json` dict (resize, rescale and normalise settings; others ignored)."""
-        for key, default in (("do_resize", True), ("do_rescale", True), ("do_normalize", True)):
-            if config.get(key, default) is not True:
-                raise ValueError(f"{key}=false is not supported by the fast preprocessor")
-        if config.get("resample", 3) != 3:
-            raise ValueError(f"resample {config['resample']} is not supported; Qwen2-VL uses bicubic (3)")
-        kw: dict[str, Any] = {"policy": ResolutionPolicy.from_preprocessor_config(config)}
-        for key in ("image_mean", "image_std"):
-            if config.get(key) is not None:
-                kw[key] = tuple(float(v) for v in config[key])
-        if config.get("rescale_factor") is not None:
-            kw["rescale_factor"] = float(config["rescale_factor"])
-        return cls(**kw)
+        return cls(policy=ResolutionPolicy.from_preprocessor_config(config), **pixel_settings(config))
 
     @property
     def patch_dim(self) -> int:
@@ -167,6 +156,23 @@ class ImagePreprocessor:
 
     def _output(self, h: int, w: int) -> np.ndarray:
         return np.empty((h * w // self.policy.patch_size**2, self.patch_dim), dtype=np.float32)
+
+
+def pixel_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """image_mean, image_std and rescale_factor of a `preprocessor_config.json` dict (those it sets), after checking
+    that it resizes bicubic, rescales and normalises, the only pipeline the fast preprocessors reproduce."""
+    for key, default in (("do_resize", True), ("do_rescale", True), ("do_normalize", True)):
+        if config.get(key, default) is not True:
+            raise ValueError(f"{key}=false is not supported by the fast preprocessor")
+    if config.get("resample", 3) != 3:
+        raise ValueError(f"resample {config['resample']} is not supported; the fast preprocessors are bicubic (3)")
+    kw: dict[str, Any] = {}
+    for key in ("image_mean", "image_std"):
+        if config.get(key) is not None:
+            kw[key] = tuple(float(v) for v in config[key])
+    if config.get("rescale_factor") is not None:
+        kw["rescale_factor"] = float(config["rescale_factor"])
+    return kw
 
 
 def _value_table(scale: float, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:

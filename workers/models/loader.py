@@ -1,8 +1,9 @@
-"""Load our Qwen2-VL / Qwen2.5-VL / Qwen3-VL model code from a local Hugging Face checkpoint folder.
+"""Load our Qwen2-VL / Qwen2.5-VL / Qwen3-VL / InternVL model code from a local Hugging Face checkpoint folder.
 
 Reads `config.json` (through transformers' config classes) and every `*.safetensors` file. Both key layouts
 are accepted: the original one (`model.layers.*`, `visual.*`, `lm_head.*`, which transformers 5.24 still
 writes) and the transformers-5 module layout (`model.language_model.*`, `model.visual.*`, `lm_head.*`).
+A model class with its own key layout says so in `checkpoint_prefixes` (InternVL).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from vlmq.workers.models.internvl import InternVLModel
 from vlmq.workers.models.qwen2_5_vl import Qwen2_5_VLModel
 from vlmq.workers.models.qwen2_vl import Qwen2VLModel
 from vlmq.workers.models.qwen3_vl import Qwen3VLModel
 
-MODEL_CLASSES: dict[str, type[Qwen2VLModel]] = {
-    "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2_5_VLModel, "qwen3_vl": Qwen3VLModel}
+MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {"qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2_5_VLModel,
+                                                   "qwen3_vl": Qwen3VLModel, "internvl": InternVLModel}
 
 # checkpoint key prefix -> our module prefix, first match wins (new layout before the old "model." catch-all)
 _PREFIXES = (
@@ -30,8 +32,8 @@ _PREFIXES = (
 )
 
 
-def checkpoint_key_to_param(key: str) -> str | None:
-    for old, new in _PREFIXES:
+def checkpoint_key_to_param(key: str, prefixes: tuple[tuple[str, str], ...] = _PREFIXES) -> str | None:
+    for old, new in prefixes:
         if key.startswith(old):
             return new + key[len(old) :]
     return None
@@ -44,7 +46,7 @@ def _tied(config) -> bool:
 
 def load_model(
     model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> Qwen2VLModel:
+) -> torch.nn.Module:
     """Build the model for `model_dir`'s config on `device` in `dtype` and load its safetensors weights.
 
     Raises:
@@ -73,12 +75,13 @@ def load_model(
 
 def _copy_weights(model: torch.nn.Module, files: list[Path]) -> set[str]:
     params = dict(model.named_parameters())
+    prefixes = getattr(model, "checkpoint_prefixes", _PREFIXES)
     loaded: set[str] = set()
     with torch.no_grad():
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    name = checkpoint_key_to_param(key)
+                    name = checkpoint_key_to_param(key, prefixes)
                     if name not in params:
                         raise ValueError(f"unexpected weight {key!r} in {path.name} (maps to {name!r})")
                     tensor = f.get_tensor(key)

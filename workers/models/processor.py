@@ -1,4 +1,4 @@
-"""Load a Qwen2-VL processor offline, without torchvision and without remote code.
+"""Load a Qwen2-VL or InternVL processor offline, without torchvision and without remote code.
 
 transformers' `Qwen2VLProcessor` insists on a video processor (which needs torchvision), and
 `AutoProcessor.from_pretrained` silently falls back to the bare tokenizer when it cannot build
@@ -6,7 +6,10 @@ one (or, when the folder names `processor_class: Qwen2VLProcessor` as real check
 ImportError). `Qwen2VLImageProcessor` is the image-only subclass used here instead: the same `__call__`
 (input_ids, attention_mask, pixel_values, image_grid_thw, mm_token_type_ids), built from the
 image processor, the tokenizer and the chat template found in the checkpoint folder. The same
-file layout is used by real Qwen2-VL checkpoints.
+file layout is used by real Qwen2-VL checkpoints. `InternVLImageProcessor` does the same for InternVL.
+
+Each of them says how one image placeholder of the chat template expands (`image_span`): Qwen2-VL repeats
+`<|image_pad|>`; InternVL wraps its `<IMG_CONTEXT>` tokens in `<img>` ... `</img>`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import threading
 from pathlib import Path
 
 from transformers import AutoImageProcessor, AutoTokenizer
+from transformers.models.internvl.processing_internvl import InternVLProcessor
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
 
@@ -25,6 +29,40 @@ class Qwen2VLImageProcessor(Qwen2VLProcessor):
     # ProcessorMixin takes its attributes from this signature: image_processor and tokenizer only
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+
+    def image_span(self, num_tokens: int) -> list[int]:
+        """Token ids that stand for one image of `num_tokens` LM tokens in the prompt."""
+        return [self.image_token_id] * num_tokens
+
+    def image_inputs(self, images) -> tuple[dict, list[int]]:
+        """transformers' model inputs for `images` and each image's LM tokens (for the `hf` backend)."""
+        feats = self.image_processor(images=images, return_tensors="pt")
+        merge = self.image_processor.merge_size
+        return dict(feats), [int(grid.prod()) // merge**2 for grid in feats["image_grid_thw"]]
+
+    def text_inputs(self, input_ids, attention_mask) -> dict:
+        """Inputs transformers' model derives from the prompt: Qwen2-VL's M-RoPE needs the image-token mask."""
+        return {"mm_token_type_ids": (input_ids == self.image_token_id).int() * attention_mask}
+
+
+class InternVLImageProcessor(InternVLProcessor):
+    """InternVLProcessor for images only (no video processor, so no torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+
+    def image_span(self, num_tokens: int) -> list[int]:
+        return [self.start_image_token_id, *[self.image_token_id] * num_tokens, self.end_image_token_id]
+
+    def image_inputs(self, images) -> tuple[dict, list[int]]:
+        feats = self.image_processor(images=images, crop_to_patches=True, return_tensors="pt")  # as __call__ does
+        return {"pixel_values": feats["pixel_values"]}, [int(n) * self.image_seq_length for n in feats["num_patches"]]
+
+    def text_inputs(self, input_ids, attention_mask) -> dict:
+        return {}
+
+
+_PROCESSORS = {"internvl": InternVLImageProcessor}  # model_type -> image-only processor; Qwen2-VL's otherwise
 
 
 def _chat_template(model_dir: Path, tokenizer) -> str | None:
@@ -37,12 +75,22 @@ def _chat_template(model_dir: Path, tokenizer) -> str | None:
     return getattr(tokenizer, "chat_template", None)
 
 
-def load_processor(model_dir: str | Path) -> Qwen2VLImageProcessor:
-    """Build the image-only Qwen2-VL processor from a local checkpoint folder (offline)."""
+def _processor_kwargs(model_dir: Path) -> dict:
+    # InternVL's image_seq_length (LM tokens per tile) lives in processor_config.json
+    path = model_dir / "processor_config.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    return {k: saved[k] for k in ("image_seq_length",) if k in saved}
+
+
+def load_processor(model_dir: str | Path) -> Qwen2VLImageProcessor | InternVLImageProcessor:
+    """Build the image-only processor of the checkpoint's family from a local checkpoint folder (offline)."""
     model_dir = Path(model_dir)
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
     image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    processor = Qwen2VLImageProcessor(image_processor, tokenizer, chat_template=_chat_template(model_dir, tokenizer))
+    cls = _PROCESSORS.get(model_type, Qwen2VLImageProcessor)
+    processor = cls(image_processor, tokenizer, chat_template=_chat_template(model_dir, tokenizer),
+                    **_processor_kwargs(model_dir))
     if not hasattr(processor, "image_processor"):
         raise RuntimeError(f"{model_dir}: processor has no image processor; check preprocessor_config.json")
     return processor
@@ -58,7 +106,7 @@ _QUESTION = "\x00question\x00"  # stands for the user's text when the chat templ
 
 
 class ChatPrompt:
-    """`render_prompt` as token ids, with the user's text tokenized as plain text: a `<|image_pad|>` or
+    """`render_prompt` as token ids, with the user's text tokenized as plain text: an image token or
     `<|im_start|>` a user types is text, never a control token (transformers' processor would parse it as one).
 
     The template is tokenized once around a stand-in; it puts control tokens on both sides of the question, so
@@ -67,7 +115,8 @@ class ChatPrompt:
 
     def __init__(self, processor, cache_size: int = 4096) -> None:
         self.tokenizer = processor.tokenizer
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.image_token_id = processor.image_token_id  # the template's placeholder for one image
+        self.image_span = processor.image_span
         head, tail = render_prompt(processor, _QUESTION).split(_QUESTION)
         self._lock = threading.Lock()  # a fast tokenizer must not be entered from two threads at once
         self.head, self.tail = self._tokenize(head, add_special_tokens=True), self._tokenize(tail)
@@ -75,7 +124,7 @@ class ChatPrompt:
         self._cache_size = cache_size  # bounded: prompts are free-form text
 
     def ids(self, question: str, num_image_tokens: int = 1) -> list[int]:
-        """The prompt's ids with the image pad repeated `num_image_tokens` times (the image's LM tokens)."""
+        """The prompt's ids with the image placeholder expanded for `num_image_tokens` LM tokens (`image_span`)."""
         ids = self._cache.get(question)
         if ids is None:
             ids = self.head + self._tokenize(question, plain=True) + self.tail
@@ -83,7 +132,7 @@ class ChatPrompt:
                 self._cache.clear()
             self._cache[question] = ids
         at = ids.index(self.image_token_id)
-        return ids[:at] + [self.image_token_id] * num_image_tokens + ids[at + 1:]
+        return ids[:at] + self.image_span(num_image_tokens) + ids[at + 1:]
 
     def _tokenize(self, text: str, *, add_special_tokens: bool = False, plain: bool = False) -> list[int]:
         # plain: control-token strings in `text` are split like any other text (split_special_tokens)

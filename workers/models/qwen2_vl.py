@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    # family hooks (Qwen3-VL overrides them)
+    # family hooks: layer_cls, rotary_cls, default_mrope_section (Qwen3-VL); _rotary (InternVL: 1-D RoPE)
     layer_cls: type[nn.Module] = DecoderLayer
     rotary_cls: type[MRotaryEmbedding] = MRotaryEmbedding
     default_mrope_section = (16, 24, 24)
@@ -157,8 +157,12 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(tc.vocab_size, tc.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(tc) for _ in range(tc.num_hidden_layers))
         self.norm = RMSNorm(tc.hidden_size, tc.rms_norm_eps)
+        self.rotary_emb = self._rotary(tc)
+
+    def _rotary(self, tc) -> nn.Module:
+        rope = tc.rope_parameters
         section = list(rope.get("mrope_section", self.default_mrope_section))
-        self.rotary_emb = self.rotary_cls(head_dim_of(tc), rope["rope_theta"], section)
+        return self.rotary_cls(head_dim_of(tc), rope["rope_theta"], section)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]):
         # embeds: [T, hidden]; positions: [3, T] -> hidden states [T, hidden]
@@ -172,7 +176,9 @@ class TextModel(nn.Module):
 class Qwen2VLModel(nn.Module):
     """What the model runner drives: `prompt_positions` once per request, `encode_images` (packed), then
     `language_model` over a flattened step of many sequences on the paged cache, then `compute_logits` on the rows
-    it samples from. Another family plugs in with the same methods (a 1-D family returns positions [1, L])."""
+    it samples from; `pixel_rows` and `image_counts` describe an image's input layout and cost from its grid row.
+    Another family plugs in with the same methods (a 1-D family returns positions [1, L]; InternVL's pixel rows
+    are tiles)."""
 
     vision_cls: type[nn.Module] = Qwen2VisionTransformer
     text_cls: type[nn.Module] = TextModel
@@ -186,6 +192,14 @@ class Qwen2VLModel(nn.Module):
         self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
         self.num_kv_heads, self.head_dim = tc.num_key_value_heads, head_dim_of(tc)
         self.max_positions = tc.max_position_embeddings
+
+    def pixel_rows(self, grid_thw: torch.Tensor) -> list[int]:
+        """Rows of pixel_values each image occupies (its vision input layout): one per patch."""
+        return grid_thw.prod(-1).tolist()
+
+    def image_counts(self, grid_thw: torch.Tensor) -> list[tuple[int, int]]:
+        """(encoder patches, LM tokens) of each image: merge² patches make one token."""
+        return [(n, n // self.visual.merge**2) for n in grid_thw.prod(-1).tolist()]
 
     def prompt_positions(self, token_ids: list[int], grid_thw: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Rotary positions of a prompt: M-RoPE [3, L] and delta (generated token i sits at i + delta).
