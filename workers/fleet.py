@@ -184,7 +184,9 @@ class FleetReporter:
             pipe.hset(keys.kv_models(), self.archive_model_hash, self.model).expire(keys.kv_models(),
                                                                                   self.settings.job_ttl)
         if self.settings.affinity:
+            # the registry the drain walks; it outlives a dead fleet by a job TTL (its jobs' records expire then)
             pipe.zadd(keys.affinity_workers(self.model), {self.worker: time.time()})
+            pipe.expire(keys.affinity_workers(self.model), self.settings.job_ttl)
         pipe.execute()
 
     def _safely(self, call: Callable[[], object]) -> None:
