@@ -2,9 +2,10 @@
 
 Each setting is declared once, as a field of ``Settings``: its name (``VLMQ_`` + the field name in
 capitals), type, default, who reads it (producers, workers, or both) and a one-line meaning.
-``Settings.from_env``, ``Settings.to_env`` and the README's configuration table all come from
-these declarations; ``python -m vlmq.settings --markdown`` prints the table and
-``python -m vlmq.settings --update-readme README.md`` rewrites it in place.
+``Settings.from_env``, ``Settings.to_env`` and the configuration tables all come from these declarations:
+the README lists what producers read (``python -m vlmq.settings --update-readme README.md`` rewrites it in
+place), ``docs/configuration.md`` what only workers read (``--update-docs docs/configuration.md``);
+``--markdown`` prints every table.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,10 @@ BOTH, PRODUCER, WORKER = "both", "producer", "worker"
 READERS = {BOTH: "Read by producers and workers", PRODUCER: "Read by producers (the SDK)",
            WORKER: "Read by workers"}
 README_BEGIN = "<!-- settings-table:begin (generated: python -m vlmq.settings --update-readme README.md) -->"
+DOCS_BEGIN = "<!-- settings-table:begin (generated: python -m vlmq.settings --update-docs docs/configuration.md) -->"
 README_END = "<!-- settings-table:end -->"
+# whose settings the README's generated table lists, and docs/configuration.md's (together: every setting)
+README_READERS, DOCS_READERS = (BOTH, PRODUCER), (WORKER,)
 
 
 def parse_models(raw: str) -> dict[str, str]:
@@ -301,42 +305,52 @@ def _shown_default(f: dataclasses.Field[Any]) -> str:
     return f"`{f.default}`"
 
 
-def markdown_table() -> str:
-    """The README's configuration tables, one per reader (producers and workers, producers, workers)."""
+def markdown_table(readers: Sequence[str] = tuple(READERS)) -> str:
+    """Configuration tables, one per reader (producers and workers, producers, workers), for ``readers``."""
     parts = []
-    for reader, title in READERS.items():
+    for reader in readers:
         rows = [f"| `{env_name(f.name)}` | {_shown_default(f)} | {f.metadata['meaning']} |"
                 for f in dataclasses.fields(Settings) if f.metadata["reader"] == reader]
-        parts.append("\n".join([f"{title}:", "", "| variable | default | meaning |", "|---|---|---|", *rows]))
+        parts.append("\n".join([f"{READERS[reader]}:", "", "| variable | default | meaning |", "|---|---|---|", *rows]))
     return "\n\n".join(parts) + "\n"
 
 
 ENV_VARS: dict[str, str] = {env_name(f.name): f.metadata["meaning"] for f in dataclasses.fields(Settings)}
 
 
-def readme_table(text: str) -> str:
-    """The generated part of a README (between the settings-table markers)."""
-    return text[text.index(README_BEGIN) + len(README_BEGIN):text.index(README_END)].lstrip("\n")
+def readme_table(text: str, begin: str = README_BEGIN) -> str:
+    """The generated part of a document (between ``begin`` and the end marker)."""
+    start = text.index(begin) + len(begin)
+    return text[start:text.index(README_END, start)].lstrip("\n")
 
 
-def update_readme(path: Path) -> bool:
+def update_readme(path: Path, begin: str = README_BEGIN, readers: Sequence[str] = README_READERS) -> bool:
     """Rewrite the table between the markers in ``path``; returns whether it changed."""
     text = path.read_text()
-    start, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
-    new = f"{text[:start]}\n{markdown_table()}{text[end:]}"
+    start = text.index(begin) + len(begin)
+    end = text.index(README_END, start)
+    new = f"{text[:start]}\n{markdown_table(readers)}{text[end:]}"
     if new != text:
         path.write_text(new)
     return new != text
 
 
+def update_docs(path: Path) -> bool:
+    """Rewrite the worker settings' table in ``path`` (docs/configuration.md); returns whether it changed."""
+    return update_readme(path, DOCS_BEGIN, DOCS_READERS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlmq.settings", description="The VLMQ_* settings table.")
-    parser.add_argument("--markdown", action="store_true", help="print the README's configuration tables")
-    parser.add_argument("--update-readme", type=Path, metavar="README", help="rewrite the tables in this file")
+    parser = argparse.ArgumentParser(prog="python -m vlmq.settings", description="The VLMQ_* settings tables.")
+    parser.add_argument("--markdown", action="store_true", help="print every configuration table")
+    parser.add_argument("--update-readme", type=Path, metavar="README", help="rewrite the producers' tables in it")
+    parser.add_argument("--update-docs", type=Path, metavar="CONFIGURATION",
+                        help="rewrite the workers' table in it (docs/configuration.md)")
     args = parser.parse_args(argv)
-    if args.update_readme:
-        print("updated" if update_readme(args.update_readme) else "already up to date")
-    else:
+    for path, update in ((args.update_readme, update_readme), (args.update_docs, update_docs)):
+        if path:
+            print(f"{path}: " + ("updated" if update(path) else "already up to date"))
+    if not (args.update_readme or args.update_docs):
         sys.stdout.write(markdown_table())
     return 0
 

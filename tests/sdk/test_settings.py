@@ -10,14 +10,18 @@ from pathlib import Path
 import pytest
 
 from vlmq.settings import (
+    DOCS_BEGIN,
+    DOCS_READERS,
     ENV_VARS,
     READERS,
     README_BEGIN,
     README_END,
+    README_READERS,
     Settings,
     env_name,
     markdown_table,
     readme_table,
+    update_docs,
     update_readme,
 )
 from vlmq.worker_args import add_worker_arguments
@@ -43,24 +47,47 @@ def test_worker_backend_option(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice: 'vllm'" in capsys.readouterr().err
 
 
-def test_the_readme_configuration_table_is_the_generated_one() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert readme_table(readme) == markdown_table(), "run: python -m vlmq.settings --update-readme README.md"
-    for f in dataclasses.fields(Settings):  # every setting, in the table of its reader
-        title = READERS[f.metadata["reader"]]
-        section = markdown_table().split(title, 1)[1].split("Read by", 1)[0]
-        assert f"| `{env_name(f.name)}` |" in section
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_update_readme_rewrites_only_the_marked_table(tmp_path: Path) -> None:
-    path = tmp_path / "README.md"
-    path.write_text(f"# x\n\nbefore\n{README_BEGIN}\n| stale |\n{README_END}\nafter\n")
-    assert update_readme(path) is True and update_readme(path) is False
-    text = path.read_text()
-    assert text.startswith("# x\n\nbefore\n") and text.endswith(f"{README_END}\nafter\n")
-    assert "stale" not in text and readme_table(text) == markdown_table()
+def test_the_readme_and_docs_configuration_tables_are_the_generated_ones() -> None:
+    readme, docs = (ROOT / "README.md").read_text(), (ROOT / "docs" / "configuration.md").read_text()
+    fix = "run: python -m vlmq.settings --update-readme README.md --update-docs docs/configuration.md"
+    assert readme_table(readme) == markdown_table(README_READERS), fix
+    assert readme_table(docs, DOCS_BEGIN) == markdown_table(DOCS_READERS), fix
+    assert "docs/configuration.md" in readme  # the README says where the rest are
+    documented = readme_table(readme) + readme_table(docs, DOCS_BEGIN)
+    for f in dataclasses.fields(Settings):  # every setting once, in the table of its reader
+        row = f"| `{env_name(f.name)}` |"
+        assert documented.count(row) == 1, env_name(f.name)
+        section = documented.split(READERS[f.metadata["reader"]] + ":", 1)[1].split("Read by", 1)[0]
+        assert row in section, env_name(f.name)
+
+
+def test_update_readme_and_docs_rewrite_only_the_marked_table(tmp_path: Path) -> None:
+    for begin, update, readers in ((README_BEGIN, update_readme, README_READERS),
+                                   (DOCS_BEGIN, update_docs, DOCS_READERS)):
+        path = tmp_path / "doc.md"
+        path.write_text(f"# x\n\nbefore\n{begin}\n| stale |\n{README_END}\nafter\n")
+        assert update(path) is True and update(path) is False
+        text = path.read_text()
+        assert text.startswith("# x\n\nbefore\n") and text.endswith(f"{README_END}\nafter\n")
+        assert "stale" not in text and readme_table(text, begin) == markdown_table(readers)
     run = subprocess.run([sys.executable, "-m", "vlmq.settings", "--markdown"], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout == markdown_table()
+    assert all(f"| `{name}` |" in run.stdout for name in ENV_VARS)
+
+
+def test_the_command_line_updates_both_documents(tmp_path: Path) -> None:
+    readme, docs = tmp_path / "README.md", tmp_path / "configuration.md"
+    readme.write_text(f"{README_BEGIN}\n{README_END}\n")
+    docs.write_text(f"{DOCS_BEGIN}\n{README_END}\n")
+    run = subprocess.run([sys.executable, "-m", "vlmq.settings", "--update-readme", str(readme), "--update-docs",
+                          str(docs)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"{readme}: updated\n{docs}: updated\n"
+    assert readme_table(readme.read_text()) == markdown_table(README_READERS)
+    assert readme_table(docs.read_text(), DOCS_BEGIN) == markdown_table(DOCS_READERS)
 
 
 def test_every_setting_round_trips_through_the_environment() -> None:
