@@ -92,7 +92,8 @@ def main() -> int:
     server = start_valkey()
     tmp = Path(tempfile.mkdtemp(prefix="vlmq-bench-affinity-"))
     settings = Settings(broker_url=server.url, storage_url=f"file://{tmp / 'store'}", cost_classes=CLASSES,
-                        affinity_queue_bound=args.images * args.questions)
+                        affinity_queue_bound=args.images * args.questions,
+                        kv_archive=0)  # routing's effect alone (the archive also saves encodes across workers)
     names = [f"w{i}" for i in range(args.workers)]
     workers = [start_worker(settings, name, tmp) for name in names]
     runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
