@@ -20,10 +20,14 @@ WORKER_USER = "vlmq-worker"
 # what redis-py sends on connecting (AUTH or HELLO, library name, SELECT for a /<db> URL) and PING
 CONNECTION_COMMANDS = ["hello", "auth", "ping", "client|setinfo", "client|setname", "select"]
 # what the SDK runs on its own keys: records (HSET/EXPIRE/HGETALL), idempotency (SET NX GET, DEL on
-# release), waiting (BLMOVE on the done list) and the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH)
-TENANT_COMMANDS = ["hgetall", "hget", "hset", "expire", "set", "del", "blmove", "rpush", "eval"]
-# publishing is one LPUSH (the SDK publishes without declaring, see Client._publish); LLEN for queue limits
+# release), waiting (BLMOVE on the done list), the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH,
+# HINCRBY) and batches (HMGET/HINCRBY on its batch hash, RPUSH/LRANGE on its job list); MULTI/EXEC wrap a chunk
+TENANT_COMMANDS = ["hgetall", "hget", "hmget", "hset", "hincrby", "expire", "set", "del", "blmove", "rpush",
+                   "lrange", "eval", "multi", "exec", "discard"]
+# publishing is one LPUSH per message (see vlmq.wire); LLEN for queue limits
 QUEUE_COMMANDS = ["lpush", "llen"]
+# the wake token after a publish (vlmq.keys.wake): a latency hint, harmless to trim
+WAKE_COMMANDS = ["lpush", "ltrim", "expire"]
 
 
 def tenant_user(tenant: str) -> str:
@@ -36,7 +40,8 @@ def tenant_rules(tenant: str) -> list[str]:
     commands = " ".join(f"+{c}" for c in QUEUE_COMMANDS)
     return ["resetchannels", "-@all", *(f"+{c}" for c in CONNECTION_COMMANDS + TENANT_COMMANDS),
             *(f"~{p}" for p in keys.tenant_key_patterns(tenant)),
-            f"(~{keys.queue_pattern()} {commands})"]
+            f"(~{keys.queue_pattern()} {commands})",
+            f"(~{keys.wake_pattern()} {' '.join(f'+{c}' for c in WAKE_COMMANDS)})"]
 
 
 def worker_rules() -> list[str]:
