@@ -9,7 +9,7 @@ from pathlib import Path
 
 import inputs
 import pytest
-from workerproc import TINY_CLASSES, WorkerProcess, ready_worker
+from workerproc import TINY_CLASSES, ready_worker
 
 from vlmq import keys
 from vlmq.client import Client
