@@ -242,4 +242,5 @@ class JobStore:
         try:
             return self.storage.get(keys.result_object(self.own(job_id)))
         except KeyError as e:
-            raise BackendError(f"job {job_id} is finished but its result object is missing") from e
+            raise BackendError(f"job {job_id} is finished but its result object is missing from {self.storage.url}; "
+                               "producers and workers must share VLMQ_STORAGE_URL") from e
