@@ -173,10 +173,37 @@ def finalize_if_done(redis: Any, storage: Storage, batch_id: str, job_ttl: int) 
         pipe.expire(keys.batch(batch_id), job_ttl).rpush(keys.batch_done(batch_id), final.value)
         pipe.expire(keys.batch_done(batch_id), job_ttl).execute()
         log.info("batch %s %s: %s", batch_id, final.value, counts(record))
+        if record.get("webhook"):
+            _announce(redis, batch_id, record["webhook"], job_ttl)
         return True
     finally:
         if redis.get(keys.batch_lock(batch_id)) == token.encode():
             redis.delete(keys.batch_lock(batch_id))
+
+
+def _announce(redis: Any, batch_id: str, url: str, job_ttl: int) -> None:
+    """Queue the ``batch.completed`` webhook event (its ``data`` is the batch object; ``status`` says whether it
+    completed, was cancelled or expired). Queuing it again is a no-op, so a finalizer that retries is safe."""
+    try:
+        from vlmq.webhooks import enqueue_event  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        log.warning("batch %s has a webhook but this build has no webhook delivery (vlmq.webhooks)", batch_id)
+        return
+    enqueue_event(redis, "batch.completed", to_object(read(redis, batch_id)), url, subject=batch_id, ttl=job_ttl)
+
+
+def check_webhook_url(url: str, allow: object) -> None:
+    """Refuse a batch webhook the delivery guard would refuse (``vlmq.webhook_guard``), at submit.
+
+    Raises:
+        InvalidRequest: the URL is refused, or this build has no webhook delivery.
+    """
+    try:
+        from vlmq.webhook_guard import check_webhook  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        raise InvalidRequest("this build of vlmq has no webhook delivery (vlmq.webhooks)",
+                             code="bad_webhook") from None
+    check_webhook(url, allow)
 
 
 def finalize_job_batch(redis: Any, storage: Storage, job_id: str, job_ttl: int) -> None:

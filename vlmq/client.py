@@ -176,7 +176,8 @@ class Client:
         return self._submit(prepared, wait_for_room)
 
     def submit_batch(self, path: str | Path, *, completion_window: str = "24h", priority: int = DEFAULT_PRIORITY,
-                     max_new_tokens: int = 128, metadata: Mapping[str, str] | None = None) -> batches.Batch:
+                     max_new_tokens: int = 128, metadata: Mapping[str, str] | None = None,
+                     webhook: str | None = None) -> batches.Batch:
         """Submit a batch file in the OpenAI Batch format (``vlmq.batchfile``): one job per line.
 
         Every line is parsed and its image loaded and priced before anything is enqueued.
@@ -188,6 +189,8 @@ class Client:
             priority: the priority of every job (0 highest .. 9).
             max_new_tokens: for lines without ``max_tokens``/``max_completion_tokens``.
             metadata: string pairs kept on the batch object.
+            webhook: http(s) URL that receives a signed ``batch.completed`` event when the batch ends (None: the
+                client's default webhook, ``""``: none). Its jobs send no events of their own.
 
         Returns:
             A handle on the batch (``in_progress``).
@@ -203,6 +206,10 @@ class Client:
         fields = {"endpoint": "/v1/chat/completions", "input_file": str(path), "completion_window": completion_window,
                   "created_at": repr(created), "expires_at": repr(created + window),
                   "metadata": json.dumps(dict(metadata or {}))}
+        webhook = getattr(self.settings, "webhook_url", "") if webhook is None else webhook
+        if webhook:
+            batches.check_webhook_url(webhook, getattr(self.settings, "webhook_allow", ""))
+            fields["webhook"] = webhook
         prepared, lines, errors = self._prepare_batch(Path(path), priority, max_new_tokens)
         if errors or not lines:
             errors = errors or [LineError(0, "empty_file", "the batch file has no requests")]
