@@ -132,3 +132,19 @@ def test_a_batch_past_its_window_expires_with_its_requests_cancelled(client: Cli
     assert batch.status() is BatchStatus.EXPIRED
     [error] = [json.loads(x) for x in batch.download("error").splitlines()]
     assert error["custom_id"] == "only" and error["error"]["code"] == "batch_expired"
+
+
+def test_a_job_counts_only_in_a_batch_of_its_own_tenant(client: Client, tmp_path: Path) -> None:
+    from vlmq import records
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text(line("only", data_url(png())) + "\n")
+    batch = client.submit_batch(path)
+    forged = "acme." + "f" * 32  # another tenant's job whose record names this batch
+    client.redis.hset(keys.job(forged), mapping={"id": forged, "status": "queued", "batch_id": batch.id})
+    assert records.transition(client.redis, forged, [JobStatus.QUEUED], JobStatus.FAILED)[0]
+    assert batch.refresh()["request_counts"]["failed"] == 0
+    [own] = [j.decode() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
+    assert records.transition(client.redis, own, [JobStatus.QUEUED], JobStatus.FAILED)[0]
+    assert batch.refresh()["request_counts"] == {"total": 1, "completed": 0, "failed": 1, "cancelled": 0}
+    assert batch.status() is BatchStatus.COMPLETED  # finalized by the status read: every request ended
