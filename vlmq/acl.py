@@ -21,9 +21,10 @@ WORKER_USER = "vlmq-worker"
 CONNECTION_COMMANDS = ["hello", "auth", "ping", "client|setinfo", "client|setname", "select"]
 # what the SDK runs on its own keys: records (HSET/EXPIRE/HGETALL), idempotency (SET NX GET, DEL on
 # release), waiting (BLMOVE on the done list), the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH,
-# HINCRBY) and batches (HMGET/HINCRBY on its batch hash, RPUSH/LRANGE on its job list); MULTI/EXEC wrap a chunk
-TENANT_COMMANDS = ["hgetall", "hget", "hmget", "hset", "hincrby", "expire", "set", "del", "blmove", "rpush",
-                   "lrange", "eval", "multi", "exec", "discard"]
+# EXISTS, HINCRBY) and batches (HGETALL/HSET on its batch hash, RPUSH/LRANGE on its job list, GET/SET/DEL on
+# its finalizer lease; MULTI/EXEC around a batch's creation)
+TENANT_COMMANDS = ["hgetall", "hget", "hmget", "hset", "hincrby", "exists", "expire", "get", "set", "del", "blmove",
+                   "rpush", "lrange", "eval", "multi", "exec", "discard"]
 # publishing is one LPUSH per message (see vlmq.wire); LLEN for queue limits
 QUEUE_COMMANDS = ["lpush", "llen"]
 # the wake token after a publish (vlmq.keys.wake): a latency hint, harmless to trim
@@ -41,7 +42,10 @@ def tenant_rules(tenant: str) -> list[str]:
     return ["resetchannels", "-@all", *(f"+{c}" for c in CONNECTION_COMMANDS + TENANT_COMMANDS),
             *(f"~{p}" for p in keys.tenant_key_patterns(tenant)),
             f"(~{keys.queue_pattern()} {commands})",
-            f"(~{keys.wake_pattern()} {' '.join(f'+{c}' for c in WAKE_COMMANDS)})"]
+            f"(~{keys.wake_pattern()} {' '.join(f'+{c}' for c in WAKE_COMMANDS)})",
+            # the enqueue script (vlmq.client) declares the job's record, its queue list and the wake list; each
+            # command inside it is checked against the rules above
+            f"(~{keys.job(keys.tenant_job_id(tenant, '*'))} ~{keys.queue_pattern()} ~{keys.wake_pattern()} +eval)"]
 
 
 def worker_rules() -> list[str]:

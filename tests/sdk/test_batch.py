@@ -148,3 +148,23 @@ def test_a_job_counts_only_in_a_batch_of_its_own_tenant(client: Client, tmp_path
     assert records.transition(client.redis, own, [JobStatus.QUEUED], JobStatus.FAILED)[0]
     assert batch.refresh()["request_counts"] == {"total": 1, "completed": 0, "failed": 1, "cancelled": 0}
     assert batch.status() is BatchStatus.COMPLETED  # finalized by the status read: every request ended
+
+
+def test_a_tenants_acl_user_submits_cancels_and_finalizes_its_batch(redis_client, redis_url: str,
+                                                                     tmp_path: Path) -> None:
+    from vlmq import acl
+
+    user = acl.tenant_user("acme")
+    redis_client.execute_command("ACL", "SETUSER", *acl.setuser_args(user, "pw", acl.tenant_rules("acme")))
+    try:
+        path = tmp_path / "requests.jsonl"
+        path.write_text(line("a", data_url(png())) + "\n" + line("b", data_url(png(80, 40))) + "\n")
+        with Client(redis_url.replace("redis://", f"redis://{user}:pw@"), f"file://{tmp_path / 'store'}",
+                    tenant="acme") as client:
+            batch = client.submit_batch(path)
+            assert batch.id.startswith("acme.batch_") and queued(client) == 2
+            assert batch.cancel()["status"] == "cancelled"
+            assert len(batch.download("error").splitlines()) == 2
+            assert (tmp_path / "store" / keys.batch_object(batch.id, "errors.jsonl")).is_file()
+    finally:
+        redis_client.execute_command("ACL", "DELUSER", user)
