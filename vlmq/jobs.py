@@ -109,7 +109,9 @@ class Job:
                 raise JobTimeout(f"job {self.id} still {status.value} after {timeout} s")
             # woken at once by the worker's final transition (no polling); a slice only keeps each blocking
             # call under the client's socket timeout
-            self._store.wait_done(self.id, min(WAIT_SLICE, left) if left is not None else WAIT_SLICE)
+            ended = self._store.wait_done(self.id, min(WAIT_SLICE, left) if left is not None else WAIT_SLICE)
+            if ended == JobStatus.FINISHED.value:  # final once: the record need not be read again
+                return JobResult.from_json(self._store.result_bytes(self.id))
 
     def _final(self, status: JobStatus, record: dict[str, str]) -> JobResult:
         if status is JobStatus.CANCELED:

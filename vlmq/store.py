@@ -210,14 +210,18 @@ class JobStore:
         """:func:`transition` that also refreshes the record's TTL."""
         return self.call(transition, self.redis, self.own(job_id), allowed, new, fields, self.job_ttl)
 
-    def wait_done(self, job_id: str, timeout: float) -> None:
+    def wait_done(self, job_id: str, timeout: float) -> str | None:
         """Block until the job's done list has an entry, or ``timeout`` seconds pass.
 
         The list is rotated onto itself (``BLMOVE`` with one key), so it keeps its entry and its TTL
         for other waiters.
+
+        Returns:
+            The final status the entry names, or None on timeout.
         """
         done = keys.done(self.own(job_id))
-        self.call(self.redis.blmove, done, done, max(timeout, 0.01), "LEFT", "RIGHT")
+        entry = self.call(self.redis.blmove, done, done, max(timeout, 0.01), "LEFT", "RIGHT")
+        return entry.decode() if isinstance(entry, bytes) else entry
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a queued or started job; sets the flag workers check. Nothing is written for an unknown id.
