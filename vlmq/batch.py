@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any
 
 from vlmq import keys
-from vlmq.errors import InvalidRequest, JobNotFound
+from vlmq.errors import InvalidRequest, JobNotFound, JobTimeout
 from vlmq.storage import Storage
 from vlmq.store import JobStatus, JobStore, decode_record, now, transition_args, transition_reply
 
@@ -223,7 +223,8 @@ def _write_files(redis: Any, storage: Storage, batch_id: str, batch: dict[str, s
     with ThreadPoolExecutor(16) as pool:
         docs = dict(zip((r["id"] for r in finished), pool.map(lambda r: _result(storage, r["id"]), finished),
                         strict=True))
-    out, err = [], []
+    out: list[str] = []
+    err: list[str] = []
     for record in records:
         doc = docs.get(record["id"])
         line = output_line(record, doc) if doc else error_line(record, batch)
@@ -315,8 +316,6 @@ class Batch:
         Raises:
             JobTimeout: still running after ``timeout``.
         """
-        from vlmq.errors import JobTimeout
-
         deadline = None if timeout is None else time.monotonic() + timeout
         done = keys.batch_done(self.id)
         while True:

@@ -13,7 +13,7 @@ ClientFactory = Callable[[argparse.Namespace], Any]
 
 
 def _ended_well(batch: dict[str, Any]) -> bool:
-    return batch["status"] == "completed" and batch["request_counts"]["failed"] == 0
+    return bool(batch["status"] == "completed" and batch["request_counts"]["failed"] == 0)
 
 
 def _submit(args: argparse.Namespace, client_of: ClientFactory) -> int:

@@ -18,7 +18,7 @@ def when(epoch: float | str | None, now: float | None = None) -> str:
     """``2026-12-01 15:26:31 (3 s ago)`` in local time; ``-`` for no time."""
     if epoch in (None, ""):
         return "-"
-    seconds = float(epoch)  # type: ignore[arg-type]
+    seconds = float(epoch)
     stamp = datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
     ago = (time.time() if now is None else now) - seconds
     return f"{stamp} ({duration(ago)} ago)" if ago >= 0 else f"{stamp} (in {duration(-ago)})"
