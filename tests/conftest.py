@@ -11,9 +11,11 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from vlmq import keys
 from vlmq.embedded import Server, start_moto, start_valkey
 
 # Triton kernels run through the interpreter on CPU-only machines; this must be set before any
@@ -67,3 +69,33 @@ def redis_client(redis_url: str) -> Iterator[object]:
 def s3_storage_url(s3_server: Server) -> str:
     """A fresh prefix in the test bucket for each test."""
     return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+
+
+# The key sweep: after every test that used Redis (the e2e and SDK suites), after the test's own fixtures
+# have stopped their workers and before the next test flushes the database, no key may live forever
+# unless an owner deletes it. Owners are kombu's (``vlmq.keys.has_owner``): queue lists and the unacked
+# structures, which it deletes as they empty, and its exchange binding tables.
+def keys_without_ttl_or_owner(client: Any) -> list[str]:
+    """Every key that has no TTL and no owner, sorted."""
+    names = list(client.scan_iter(count=1000))
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.ttl(name)
+    ttls = pipe.execute()
+    return sorted(text for name, ttl in zip(names, ttls, strict=True)
+                  if ttl == -1 and not keys.has_owner(text := name.decode(errors="replace")))
+
+
+@pytest.fixture(autouse=True)
+def no_key_lives_forever(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "redis_url" not in request.fixturenames:  # tests without Redis start no server for this
+        return
+    import redis
+
+    client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+    try:
+        leaked = keys_without_ttl_or_owner(client)
+    finally:
+        client.close()
+    assert not leaked, f"{len(leaked)} keys have no TTL and no owner to delete them: {leaked[:20]}"

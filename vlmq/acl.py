@@ -21,8 +21,9 @@ WORKER_USER = "vlmq-worker"
 CONNECTION_COMMANDS = ["hello", "auth", "ping", "client|setinfo", "client|setname", "select"]
 # what the SDK runs on its own keys: records (HSET/EXPIRE/HGETALL), idempotency (SET NX GET, DEL on
 # release), waiting (BLMOVE on the done list), the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH,
-# EXISTS, HINCRBY) and batches (HGETALL/HSET on its batch hash, RPUSH/LRANGE on its job list, GET/SET/DEL on
-# its finalizer lease; MULTI/EXEC around a batch's creation)
+# EXISTS, HINCRBY), reading webhook delivery attempts (LRANGE, ``Job.deliveries()``) and batches (HGETALL/HSET
+# on its batch hash, RPUSH/LRANGE on its job list, GET/SET/DEL on its finalizer lease; MULTI/EXEC around a
+# batch's creation)
 TENANT_COMMANDS = ["hgetall", "hget", "hmget", "hset", "hincrby", "exists", "expire", "get", "set", "del", "blmove",
                    "rpush", "lrange", "eval", "multi", "exec", "discard"]
 # publishing is one LPUSH per message (see vlmq.wire); LLEN for queue limits

@@ -184,26 +184,9 @@ def finalize_if_done(redis: Any, storage: Storage, batch_id: str, job_ttl: int) 
 def _announce(redis: Any, batch_id: str, url: str, job_ttl: int) -> None:
     """Queue the ``batch.completed`` webhook event (its ``data`` is the batch object; ``status`` says whether it
     completed, was cancelled or expired). Queuing it again is a no-op, so a finalizer that retries is safe."""
-    try:
-        from vlmq.webhooks import enqueue_event  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        log.warning("batch %s has a webhook but this build has no webhook delivery (vlmq.webhooks)", batch_id)
-        return
+    from vlmq.webhooks import enqueue_event
+
     enqueue_event(redis, "batch.completed", to_object(read(redis, batch_id)), url, subject=batch_id, ttl=job_ttl)
-
-
-def check_webhook_url(url: str, allow: object) -> None:
-    """Refuse a batch webhook the delivery guard would refuse (``vlmq.webhook_guard``), at submit.
-
-    Raises:
-        InvalidRequest: the URL is refused, or this build has no webhook delivery.
-    """
-    try:
-        from vlmq.webhook_guard import check_webhook  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        raise InvalidRequest("this build of vlmq has no webhook delivery (vlmq.webhooks)",
-                             code="bad_webhook") from None
-    check_webhook(url, allow)
 
 
 def finalize_job_batch(redis: Any, storage: Storage, job_id: str, job_ttl: int) -> None:

@@ -1,4 +1,4 @@
-"""The ``vlmq`` command: demo, worker, cost, submit, status, result, wait, cancel, batch, acl.
+"""The ``vlmq`` command: demo, up, worker, delivery, top, cost, submit, status, result, wait, cancel, batch, acl.
 
 Read commands print readable text by default and the records themselves with ``--json``.
 """
@@ -56,16 +56,40 @@ def _worker(args: argparse.Namespace) -> int:
     return int(main_from_args(args))
 
 
+def _delivery(args: argparse.Namespace) -> int:
+    from vlmq.delivery import main_from_args
+
+    return main_from_args(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from vlmq.demo import run_demo
 
     return run_demo(num_jobs=args.jobs, keep=args.keep)
 
 
+def _up(args: argparse.Namespace) -> int:
+    from vlmq.up import UpOptions, run_up
+
+    try:
+        options = UpOptions(workers=args.workers, gpus=args.gpus, model=args.model, folder=args.folder, port=args.port)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_up(options)
+
+
+def _top(args: argparse.Namespace) -> int:
+    from vlmq.fleet import run_top
+    from vlmq.settings import Settings
+
+    return run_top(Settings.from_env(), args.interval, args.once)
+
+
 def _submit(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.submit(args.image, args.prompt, model=args.model, max_new_tokens=args.max_new_tokens,
-                            priority=args.priority, idempotency_key=args.idempotency_key)
+                            priority=args.priority, idempotency_key=args.idempotency_key, webhook=args.webhook)
         if not args.wait:
             emit({"id": job.id}, args.json, [job.id])
             return 0
@@ -167,6 +191,7 @@ def _add_jobs(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--priority", type=int, default=5)
     p.add_argument("--idempotency-key")
+    p.add_argument("--webhook", help="http(s) URL told when the job ends (default VLMQ_WEBHOOK_URL)")
     p.add_argument("--wait", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=_submit)
@@ -187,6 +212,24 @@ def _add_jobs(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     p.set_defaults(func=_cancel)
 
 
+def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="run a local pool (Valkey, file storage, workers) until Ctrl-C, for producers "
+                       "in other shells")
+    p.add_argument("--workers", type=int, default=1, help="CPU worker processes (default 1)")
+    p.add_argument("--gpus", help="'all' or a list like 0,1: one worker per GPU instead of CPU workers")
+    p.add_argument("--model", default="tiny-shapes")
+    p.add_argument("--folder", help="keep storage and worker logs here (default: a temporary folder, removed)")
+    p.add_argument("--port", type=int, help="Valkey's port (default: a free one)")
+    p.set_defaults(func=_up)
+
+
+def _add_top(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("top", help="a live view of the pool: queue depths per class, workers, throughput")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--once", action="store_true", help="print one screen and exit")
+    p.set_defaults(func=_top)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vlmq.clibatch import add_batch
 
@@ -199,11 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=16, help="number of jobs to submit (default 16)")
     p.add_argument("--keep", action="store_true", help="keep the storage folder afterwards")
     p.set_defaults(func=_demo)
+    _add_up(sub)
     p = sub.add_parser("worker", help="run a worker (one process per GPU with --gpus)")
-    from vlmq.worker_args import add_worker_arguments
+    from vlmq.worker_args import add_delivery_arguments, add_worker_arguments
 
     add_worker_arguments(p)
     p.set_defaults(func=_worker)
+    p = sub.add_parser("delivery", help="run a webhook delivery worker (CPU only; needs VLMQ_WEBHOOK_SECRETS)")
+    add_delivery_arguments(p)
+    p.set_defaults(func=_delivery)
+    _add_top(sub)
     p = sub.add_parser("cost", parents=[common], help="print the vision-token cost of images from their headers "
                        "(exit 1 if any is refused)")
     p.add_argument("images", nargs="+")

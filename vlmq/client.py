@@ -29,6 +29,7 @@ from vlmq.request import DEFAULT_MODEL, JobRequest, fingerprint
 from vlmq.settings import Settings
 from vlmq.storage import ObjectTooLarge, Storage, open_storage
 from vlmq.store import JobStatus, JobStore, now
+from vlmq.webhook_guard import check_webhook
 from vlmq.wire import MessageWriter, list_for
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class _Prepared:
     info: ImageInfo
     sha256: str
     cost: CostEstimate
+    webhook: str = ""
 
     @property
     def queue(self) -> str:
@@ -78,6 +80,7 @@ class Client:
             ``<tenant>.<hex>``, its idempotency keys and storage objects are its own (``t/<tenant>/``),
             ``s3://`` inputs must lie under its prefix, and its handles reach only its own jobs. Pair it
             with the tenant's Redis ACL user (``vlmq acl --tenant``) in ``broker_url``; see docs/security.md.
+        webhook: default webhook URL of every job submitted here (``VLMQ_WEBHOOK_URL``; see ``submit``).
 
     Attributes:
         settings: the settings in use.
@@ -87,10 +90,10 @@ class Client:
     """
 
     def __init__(self, broker_url: str | None = None, storage_url: str | None = None, *,
-                 settings: Settings | None = None, tenant: str | None = None) -> None:
+                 settings: Settings | None = None, tenant: str | None = None, webhook: str | None = None) -> None:
         base = settings or Settings()
         overrides = {k: v for k, v in (("broker_url", broker_url), ("storage_url", storage_url),
-                                       ("tenant", tenant)) if v}
+                                       ("tenant", tenant), ("webhook_url", webhook)) if v}
         self.settings = dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
         self.tenant: str | None = self.settings.tenant or None
         redis = redis_lib.Redis.from_url(self.settings.broker_url, socket_connect_timeout=3, socket_timeout=10)
@@ -125,7 +128,7 @@ class Client:
 
     def submit(self, image: ImageSource, prompt: str, *, model: str = DEFAULT_MODEL, max_new_tokens: int = 128,
                priority: int = DEFAULT_PRIORITY, idempotency_key: str | None = None,
-               wait_for_room: float = 0.0, ignore_eos: bool = False) -> Job:
+               wait_for_room: float = 0.0, ignore_eos: bool = False, webhook: str | None = None) -> Job:
         """Validate, price and enqueue one image job.
 
         Args:
@@ -133,6 +136,8 @@ class Client:
             prompt: the question or instruction about the image.
             model, max_new_tokens, priority, idempotency_key, ignore_eos: as the fields of
                 :class:`vlmq.request.JobRequest`.
+            webhook: http(s) URL that receives the job's signed final event (None: the client's default,
+                ``""``: none). Internal addresses are refused (``bad_webhook``) unless in ``VLMQ_WEBHOOK_ALLOW``.
             wait_for_room: when the class queue is full, wait up to this many seconds for room.
 
         Returns:
@@ -144,7 +149,7 @@ class Client:
             BackendError: Redis or the object store failed.
         """
         request = JobRequest(image, prompt, model=model, max_new_tokens=max_new_tokens, priority=priority,
-                             idempotency_key=idempotency_key, ignore_eos=ignore_eos)
+                             idempotency_key=idempotency_key, ignore_eos=ignore_eos, webhook=webhook)
         return self._submit([self._prepare(request)], wait_for_room)[0]
 
     def submit_many(self, requests: Iterable[JobRequest | Mapping[str, Any]], *,
@@ -206,10 +211,9 @@ class Client:
         fields = {"endpoint": "/v1/chat/completions", "input_file": str(path), "completion_window": completion_window,
                   "created_at": repr(created), "expires_at": repr(created + window),
                   "metadata": json.dumps(dict(metadata or {}))}
-        webhook = getattr(self.settings, "webhook_url", "") if webhook is None else webhook
+        webhook = self.settings.webhook_url if webhook is None else webhook
         if webhook:
-            batches.check_webhook_url(webhook, getattr(self.settings, "webhook_allow", ""))
-            fields["webhook"] = webhook
+            fields["webhook"] = check_webhook(webhook, self.settings.webhook_allow)
         prepared, lines, errors = self._prepare_batch(Path(path), priority, max_new_tokens)
         if errors or not lines:
             errors = errors or [LineError(0, "empty_file", "the batch file has no requests")]
@@ -256,7 +260,7 @@ class Client:
                                          code="duplicate_custom_id")
                 seen.add(line.custom_id)
                 request = JobRequest(line.image, line.prompt, model=line.model, priority=priority,
-                                     max_new_tokens=line.max_new_tokens or max_new_tokens)
+                                     max_new_tokens=line.max_new_tokens or max_new_tokens, webhook="")
                 prepared.append(self._prepare(request))
                 lines.append(line)
             except InvalidRequest as e:
@@ -294,12 +298,15 @@ class Client:
     def _prepare(self, request: JobRequest) -> _Prepared:
         spec = self._check_params(request.prompt, request.model, request.max_new_tokens, request.priority,
                                   request.idempotency_key)
+        webhook = self.settings.webhook_url if request.webhook is None else request.webhook
+        if webhook:
+            check_webhook(webhook, self.settings.webhook_allow)
         image = request.image
         data = self._read_storage_uri(image) if isinstance(image, str) and is_storage_url(image) else \
             load_source(image, self._limits)
         info = probe(data, self._limits)
         cost = estimate(info.width, info.height, spec.policy, cost_classes(self.settings))
-        return _Prepared(request, spec, data, info, hashlib.sha256(data).hexdigest(), cost)
+        return _Prepared(request, spec, data, info, hashlib.sha256(data).hexdigest(), cost, webhook)
 
     def _read_storage_uri(self, uri: str) -> bytes:
         try:
@@ -412,7 +419,7 @@ class Client:
             "width": item.info.width, "height": item.info.height, "vision_tokens": cost.vision_tokens,
             "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class, "queue": item.queue,
             "created_at": stamp, "queued_at": stamp, "idempotency_key": request.idempotency_key or "",
-            "attempts": 0, "ignore_eos": int(bool(request.ignore_eos)),
+            "attempts": 0, "ignore_eos": int(bool(request.ignore_eos)), "webhook": item.webhook,
         }
 
     def _wait_for_room(self, adding: Mapping[tuple[str, str], int], timeout: float) -> None:

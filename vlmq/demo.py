@@ -1,8 +1,10 @@
 """``vlmq demo``: the whole pool on one machine, with the same code paths as production.
 
 Starts an embedded Redis-compatible server, ``file://`` storage in a temporary
-folder and one CPU worker process serving the bundled ``tiny-shapes`` model,
-submits sample images through the SDK and prints what came back.
+folder, one CPU worker process serving the bundled ``tiny-shapes`` model and one
+webhook delivery worker, submits sample images through the SDK with a webhook to
+a receiver in this process (on 127.0.0.1, allow-listed for the demo only), and
+prints what came back by polling and by webhook.
 """
 from __future__ import annotations
 
@@ -13,15 +15,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from vlmq.client import Client
 from vlmq.embedded import Server, start_valkey
 from vlmq.errors import VlmqError
 from vlmq.jobs import Job, JobStatus
 from vlmq.settings import Settings
+from vlmq.webhooks import new_secret, verify
 
 
 def load_samples() -> list[tuple[bytes, str, str, str]]:
@@ -31,12 +38,52 @@ def load_samples() -> list[tuple[bytes, str, str, str]]:
     return [((root / s["file"]).read_bytes(), s["file"], s["prompt"], s.get("expected", "")) for s in manifest]
 
 
-def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
-    """One CPU worker process for the bundled model, logging to ``log_path``."""
+WORKER_ARGS = ("-m", "vlmq.workers.main", "--model", "tiny-shapes")
+
+
+def start_worker(settings: Settings, log_path: Path, args: Sequence[str] = WORKER_ARGS) -> subprocess.Popen[bytes]:
+    """A process running ``python ARGS`` (by default a worker for the bundled model), logging to ``log_path``.
+
+    It runs in its own session: Ctrl-C in the terminal reaches only the command that started it, which stops it.
+    """
     env = {**os.environ, **settings.to_env()}
     with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "vlmq.workers.main", "--model", "tiny-shapes"], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1 that verifies each signature and keeps the job ids it was told about."""
+
+    def __init__(self, secret: str) -> None:
+        self.job_ids: set[str] = set()
+        self.rejected = 0
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                try:
+                    receiver.job_ids.add(verify(secret, body, dict(self.headers.items()))["data"]["id"])
+                    self.send_response(204)
+                except Exception:  # a bad signature: refuse it (the delivery worker retries)
+                    receiver.rejected += 1
+                    self.send_response(401)
+                self.end_headers()
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/vlmq-events"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait(self, job_ids: set[str], timeout: float) -> int:
+        """How many of ``job_ids`` were received (waiting up to ``timeout`` s for them all)."""
+        deadline = time.monotonic() + timeout
+        while not job_ids <= self.job_ids and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return len(job_ids & self.job_ids)
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
@@ -89,23 +136,32 @@ def run_demo(num_jobs: int = 16, keep: bool = False, timeout: float = 600.0) -> 
     samples = load_samples()
     workdir = Path(tempfile.mkdtemp(prefix="vlmq-demo-"))
     valkey: Server | None = None
-    worker: subprocess.Popen[bytes] | None = None
+    workers: list[subprocess.Popen[bytes]] = []
+    secret = new_secret()
+    receiver = Receiver(secret)
     try:
         print("starting an embedded Redis-compatible server ...")
         valkey = start_valkey()
-        settings = Settings(broker_url=valkey.url, storage_url=f"file://{workdir / 'storage'}")
+        # the demo's own receiver listens on 127.0.0.1: allow exactly that address past the webhook guard
+        settings = Settings(broker_url=valkey.url, storage_url=f"file://{workdir / 'storage'}",
+                            webhook_secrets=secret, webhook_allow="127.0.0.1/32", webhook_poll=0.1)
         print(f"  {valkey.url}; storage {settings.storage_url}")
-        print(f"starting one CPU worker for tiny-shapes (log: {workdir / 'worker.log'}) ...")
-        worker = start_worker(settings, workdir / "worker.log")
-        with Client(settings=settings) as client:
+        print(f"starting one CPU worker for tiny-shapes (log: {workdir / 'worker.log'}) and one webhook delivery "
+              f"worker (log: {workdir / 'delivery.log'}) ...")
+        workers.append(start_worker(settings, workdir / "worker.log"))
+        workers.append(start_worker(settings, workdir / "delivery.log", ("-m", "vlmq.delivery")))
+        with Client(settings=settings, webhook=receiver.url) as client:
             picked = [samples[i % len(samples)] for i in range(num_jobs)]
             jobs = [client.submit(data, prompt, max_new_tokens=64) for data, _, prompt, _ in picked]
             print(f"submitted {len(jobs)} jobs")
             _wait_all(jobs, timeout)
             correct = _table(jobs, [(name, prompt, exp) for _, name, prompt, exp in picked])
             finished = sum(j.status() is JobStatus.FINISHED for j in jobs)
+        told = receiver.wait({j.id for j in jobs}, timeout=30)
         print(f"{finished}/{len(jobs)} finished, {correct} answers match the expected ones")
-        return 0 if finished == len(jobs) else 1
+        print(f"webhooks: {told}/{len(jobs)} signed job events received at {receiver.url} and verified "
+              f"({receiver.rejected} refused)")
+        return 0 if finished == told == len(jobs) else 1
     except KeyboardInterrupt:
         print("\ninterrupted; shutting down")
         return 130
@@ -113,8 +169,9 @@ def run_demo(num_jobs: int = 16, keep: bool = False, timeout: float = 600.0) -> 
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        if worker is not None:
-            stop_process(worker)
+        for proc in workers:
+            stop_process(proc)
+        receiver.server.shutdown()
         if valkey is not None:
             valkey.stop()
         if not keep:

@@ -46,14 +46,23 @@ class Server:
     workdir: str = field(default="")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the process (SIGTERM, then SIGKILL)."""
+        """Stop the server and anything it started (SIGTERM to its process group, then SIGKILL)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            _signal_group(self.proc, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                _signal_group(self.proc, signal.SIGKILL)
                 self.proc.wait()
+        _signal_group(self.proc, signal.SIGKILL)  # a child left behind by the server (none is expected)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    """Signal the process group of a server started in its own session (its id is the server's pid)."""
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def start_valkey(port: int | None = None) -> Server:

@@ -121,6 +121,20 @@ class Job:
                             record.get("retryable") == "1")
         return JobResult.from_json(self._store.result_bytes(self.id))
 
+    def deliveries(self) -> list[dict[str, Any]]:
+        """Every webhook delivery attempt for this job, oldest first (the newest 50, kept ``VLMQ_JOB_TTL``).
+
+        Each is a dict: ``event_id`` (the ``webhook-id``), ``type``, ``attempt``, ``at``, ``url``,
+        ``status_code`` (None without an answer), ``outcome`` (``delivered``, ``retry``, ``failed``,
+        ``refused``, ``disabled``), ``error``, ``duration_s`` and, for a retry, ``next_at``.
+
+        Raises:
+            BackendError: if Redis fails.
+        """
+        from vlmq.webhooks import read_deliveries
+
+        return self._store.call(read_deliveries, self._store.redis, self._store.own(self.id))
+
     def cancel(self) -> bool:
         """Cancel the job. Returns True if it is now canceled, False if it had already ended.
 

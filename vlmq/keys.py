@@ -72,6 +72,36 @@ def result_guard(job_id: str) -> str:
     return f"{PREFIX}result-owner:{job_id}"
 
 
+def deliveries(subject: str) -> str:
+    """List of webhook delivery attempts (JSON, newest last, bounded, with a TTL) of a job or batch.
+
+    Written by delivery workers (``vlmq.delivery``); read by ``Job.deliveries()``.
+    """
+    return f"{PREFIX}deliveries:{subject}"
+
+
+WEBHOOK_QUEUE = "vlmq.webhooks"  # the Celery queue delivery workers consume (``vlmq delivery``)
+
+
+def webhook_event(event_id: str) -> str:
+    """Hash of one webhook event: URL, type, subject, body, attempts, state.
+
+    Written by ``vlmq.webhooks.enqueue_event`` (GPU workers, the batch code) and delivery workers; read by
+    delivery workers.
+    """
+    return f"{PREFIX}webhook:event:{event_id}"
+
+
+def webhook_due() -> str:
+    """Sorted set event id -> when its next attempt is due; the delivery workers' schedule (and outbox)."""
+    return f"{PREFIX}webhook:due"
+
+
+def webhook_disabled(url_digest: str) -> str:
+    """Flag set when an endpoint answered 410 Gone: no more deliveries to it (delivery workers)."""
+    return f"{PREFIX}webhook:disabled:{url_digest}"
+
+
 def queue(model: str, cost_class: str) -> str:
     """Celery queue name for a model and cost class."""
     return f"vlmq.{model}.{cost_class}"
@@ -139,6 +169,14 @@ def dead_letter(queue_name: str) -> str:
     return f"{PREFIX}dead:{queue_name}"
 
 
+def worker_status(name: str) -> str:
+    """Hash of one live worker's model, device, load and counters, refreshed every few seconds with a short TTL.
+
+    Written by each worker (``vlmq.workers.status``); read by ``vlmq top`` (``vlmq.fleet``).
+    """
+    return f"{PREFIX}worker:{name}"
+
+
 def idle_wait(token: str) -> str:
     """A list nobody writes: an idle worker's ``BLPOP`` on it is a short server-side sleep between pops."""
     return f"{PREFIX}idle-wait:{token}"
@@ -150,8 +188,8 @@ def tenant_key_patterns(tenant: str) -> list[str]:
     ``.`` cannot occur in a tenant id, so ``acme.*`` never matches another tenant's ``acme-2.<hex>``.
     """
     ids = tenant_job_id(check_tenant(tenant), "*")
-    return [job(ids), done(ids), canceled(ids), idempotency("*", tenant), batch(ids), batch_jobs(ids),
-            batch_done(ids), batch_lock(ids)]
+    return [job(ids), done(ids), canceled(ids), idempotency("*", tenant), deliveries(ids), batch(ids),
+            batch_jobs(ids), batch_done(ids), batch_lock(ids)]
 
 
 def queue_pattern() -> str:
@@ -166,7 +204,7 @@ def worker_key_patterns() -> list[str]:
     not acked, shared by every queue), ``_kombu.binding*`` (exchange bindings) and each worker's
     ``<name>.celery.pidbox`` lists (remote control).
     """
-    return [f"{PREFIX}*", queue_pattern(), "_kombu.*", UNACKED, UNACKED_INDEX, f"{UNACKED}_mutex",
+    return [f"{PREFIX}*", queue_pattern(), "_kombu.*", UNACKED, UNACKED_INDEX, UNACKED_MUTEX,
             "*.celery.pidbox*"]
 
 
@@ -193,3 +231,51 @@ def input_key_allowed(job_id: str, key: str) -> bool:
 def result_object(job_id: str) -> str:
     """Storage key of a job's result JSON (a tenant's job: ``t/<tenant>/results/<job_id>.json``)."""
     return f"{storage_prefix(tenant_of(job_id))}results/{job_id}.json"
+
+
+def object_kind(key: str) -> str | None:
+    """``input`` or ``result`` for an input or result object of any tenant (or none), else None (``kv/`` ...)."""
+    tenant = rf"(?:t/{TENANT_RE}/)?"
+    if re.fullmatch(rf"{tenant}inputs/[0-9a-f]{{64}}", key):
+        return "input"
+    if re.fullmatch(rf"{tenant}results/{JOB_ID_RE}\.json", key):
+        return "result"
+    return None
+
+
+RETAINED_PREFIXES = ("inputs/", "results/", "t/")  # where input and result objects live, for the retention sweep
+
+
+def job_pattern() -> str:
+    """``SCAN`` pattern matching every job record (the retention sweep reads the live ones' inputs)."""
+    return f"{PREFIX}job:*"
+
+
+def retention_lock() -> str:
+    """``SET NX EX`` lock: the worker that sets it runs this period's object-store retention sweep.
+
+    Written by ``vlmq.workers.retention``; it expires after the sweep period and is never deleted, so
+    the fleet sweeps at most once per period.
+    """
+    return f"{PREFIX}retention-sweep"
+
+
+# kombu's Redis transport: the restore sweep's mutex (UNACKED and UNACKED_INDEX are above)
+UNACKED_MUTEX = f"{UNACKED}_mutex"
+# exchange bindings: ``_kombu.binding.<exchange>`` and ``_kombu.binding_permanent.<exchange>`` (sets of the queues
+# bound to it) and ``_kombu.binding_deadlines`` (when the bindings of expiring queues lapse; kombu 5.7)
+KOMBU_BINDING_PREFIX = "_kombu.binding"
+
+
+def is_queue_list(name: str) -> bool:
+    """Whether ``name`` is one of the Redis lists behind a vlmq Celery queue (see :func:`queue_lists`)."""
+    base = name.partition(":")[0]
+    model, _, cost_class = base.removeprefix("vlmq.").rpartition(".")
+    return base.startswith("vlmq.") and bool(model and cost_class) and name in queue_lists(base)
+
+
+def has_owner(name: str) -> bool:
+    """Whether a key without a TTL is owned: kombu deletes it when it empties (queue lists, unacked
+    structures) or keeps it on purpose (exchange bindings, a handful per pool)."""
+    return (is_queue_list(name) or name in (UNACKED, UNACKED_INDEX, UNACKED_MUTEX)
+            or name.startswith(KOMBU_BINDING_PREFIX))

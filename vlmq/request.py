@@ -30,6 +30,8 @@ class JobRequest:
         priority: 0 (highest) to 9 (lowest).
         idempotency_key: submitting the same request again with this key returns the first job.
         ignore_eos: generate exactly ``max_new_tokens`` tokens (benchmarks and load tests).
+        webhook: an http(s) URL told when the job ends (signed ``job.finished``/``job.failed``/``job.canceled``
+            events, see ``vlmq.webhooks``); None uses the client's default, ``""`` sends none.
     """
 
     image: ImageSource
@@ -39,6 +41,7 @@ class JobRequest:
     priority: int = DEFAULT_PRIORITY
     idempotency_key: str | None = None
     ignore_eos: bool = False
+    webhook: str | None = None
 
     @classmethod
     def from_mapping(cls, item: Mapping[str, Any]) -> JobRequest:

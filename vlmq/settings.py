@@ -20,9 +20,12 @@ from typing import Any
 from vlmq.keys import check_tenant
 
 BACKENDS = ("engine", "hf")  # worker backends; the first is the default
+LOG_FORMATS = ("text", "json")  # worker log formats; the first is the default
 DEFAULT_COST_CLASSES = "xs=256,s=1024,m=4096,l=16384,xl"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORAGE_URL = "file:///tmp/vlmq"
+# seconds before each webhook retry (the first attempt is immediate): Standard Webhooks' schedule, about 75 h
+DEFAULT_RETRY_SCHEDULE = "5,300,1800,7200,18000,36000,50400,72000,86400"
 
 BOTH, PRODUCER, WORKER = "both", "producer", "worker"
 READERS = {BOTH: "Read by producers and workers", PRODUCER: "Read by producers (the SDK)",
@@ -47,6 +50,23 @@ def _int(raw: str) -> int:
         return int(raw)
     except ValueError:
         raise ValueError("must be an integer") from None
+
+
+def parse_delays(raw: str) -> tuple[float, ...]:
+    """Parse ``5,300,1800`` (seconds, each > 0) into a tuple."""
+    try:
+        delays = tuple(float(part) for part in raw.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"must be seconds separated by commas, e.g. 5,300,1800; got {raw!r}") from None
+    if not delays or min(delays) <= 0:
+        raise ValueError(f"must list at least one positive delay in seconds, got {raw!r}")
+    return delays
+
+
+def _flag(raw: str) -> bool:
+    if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
+        raise ValueError("must be 1 or 0")
+    return raw.lower() in ("1", "true", "yes")
 
 
 def _format_models(models: Mapping[str, str]) -> str:
@@ -105,7 +125,12 @@ class Settings:
     job_ttl: int = _setting(7 * 24 * 3600, BOTH, "seconds a job record, cancel flag and idempotency key are "
                             "kept: from submit, and a record again from the job's end",
                             shown="604800 (7 days)")
+    webhook_allow: str = _setting("", BOTH, "networks exempt from the webhook address guard (loopback, private, "
+                                  "link-local, metadata, multicast are refused), e.g. `127.0.0.1/32`",
+                                  shown="none")
     # -- read by producers (the SDK) -----------------------------------------------------------
+    webhook_url: str = _setting("", PRODUCER, "default webhook of every job this producer submits "
+                                "(`Client(webhook=...)` and `submit(webhook=...)` override it)", shown="none")
     max_queue_depth: str = _setting("0", PRODUCER, "waiting jobs allowed per class, `N` or `xs=N,s=M`; a submit "
                                     "that would pass it raises `QueueFull`", shown="`0` (no limit)")
     tenant: str = _setting("", PRODUCER, "tenant id (`[a-z0-9-]`, at most 32): scopes this producer's job ids, "
@@ -121,9 +146,34 @@ class Settings:
     worker_batch: int = _setting(16, WORKER, "most jobs it holds at once")
     worker_classes: str = _setting("", WORKER, "cost classes it consumes, e.g. `xs,s`",
                                    shown="all that fit its budget")
+    retention: int = _setting(0, WORKER, "seconds `inputs/` and `results/` objects are kept; workers delete older "
+                              "ones (inputs of queued or running jobs excepted), one sweep per fleet per period",
+                              shown="`0` (keep forever)")
     backend: str = _setting(BACKENDS[0], WORKER, "`engine` (the vlmq engine) or `hf` (plain transformers "
                             "`generate`)")
     device: str = _setting("cpu", WORKER, "`cpu`, `cuda` or `cuda:N`")
+    webhook_secrets: str = _setting("", WORKER, "delivery workers' signing secrets, `whsec_...` separated by "
+                                    "spaces; each one signs every message (rotation)", shown="none")
+    webhook_retry_schedule: str = _setting(DEFAULT_RETRY_SCHEDULE, WORKER, "seconds before each webhook retry "
+                                           "(±20% jitter; the first attempt is immediate)",
+                                           shown="`5,300,1800,...,86400` (about 75 h)")
+    webhook_timeout: float = _setting(15.0, WORKER, "seconds a webhook request may take (its connect, each "
+                                      "read, and the whole)", parse=float)
+    webhook_concurrency: int = _setting(16, WORKER, "webhook requests one delivery worker sends at once")
+    webhook_inline_max: int = _setting(16384, WORKER, "largest result put in a webhook body, in bytes; a larger "
+                                       "one is sent as `result_url` (S3) and `result_key`")
+    webhook_poll: float = _setting(0.5, WORKER, "seconds between the delivery workers' looks for due events",
+                                   parse=float)
+    fake_gpus: str = _setting("", WORKER, "GPU ids that `--gpus` runs on the CPU instead, e.g. `0,1` (tries the "
+                              "per-GPU supervisor on a machine without GPUs)", shown="none")
+    metrics_port: int = _setting(0, WORKER, "port of the worker's `/metrics` (Prometheus), `/healthz` and "
+                                 "`/readyz`; with `--gpus` the worker of the N-th GPU listens on port + N",
+                                 shown="`0` (off)")
+    worker_events: bool = _setting(False, WORKER, "`1`: send Celery task events and event heartbeats (for Flower)",
+                                   shown="`0`",
+                                 parse=_flag, to_text=lambda on: "1" if on else "0")
+    log_format: str = _setting(LOG_FORMATS[0], WORKER, "`text`, or `json`: one JSON object per line with job id, "
+                               "model, class, worker and phase")
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
@@ -137,14 +187,32 @@ class Settings:
             raise ValueError(f"storage_url must be s3://bucket/prefix or file:///dir, got {self.storage_url!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.shutdown_grace < 0 or self.storage_retry < 0:
-            raise ValueError("shutdown_grace and storage_retry must not be negative")
+        if min(self.shutdown_grace, self.storage_retry, self.retention) < 0:
+            raise ValueError("shutdown_grace, storage_retry and retention must not be negative")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be a TCP port (0 = off), got {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         self.queue_depth_limit("xs")  # validates the format
+        self._check_webhooks()
         if self.tenant:
             try:
                 check_tenant(self.tenant)
             except ValueError as e:
                 raise ValueError(f"tenant (VLMQ_TENANT): {e}") from None
+
+    def _check_webhooks(self) -> None:
+        from vlmq.webhook_guard import parse_networks
+
+        if self.webhook_timeout <= 0 or self.webhook_poll <= 0 or self.webhook_concurrency <= 0:
+            raise ValueError("webhook_timeout, webhook_poll and webhook_concurrency must be positive")
+        if self.webhook_inline_max < 0:
+            raise ValueError("webhook_inline_max must not be negative")
+        for name, check in (("webhook_retry_schedule", parse_delays), ("webhook_allow", parse_networks)):
+            try:
+                check(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"{name} ({env_name(name)}): {e}") from None
 
     def queue_depth_limit(self, cost_class: str) -> int:
         """Most jobs allowed to wait in one class queue (0 = no limit)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -41,6 +42,21 @@ class Storage(ABC):
         """Remove the object if present."""
 
     @abstractmethod
+    def list_older(self, prefix: str, before: float) -> Iterator[str]:
+        """Keys under ``prefix`` (e.g. ``inputs/``) of objects last written before ``before``.
+
+        Objects whose names this interface refuses as keys (``a//b``, written by other tools) are left out.
+
+        Args:
+            prefix: a key prefix ending in ``/``.
+            before: a timestamp (seconds since the epoch); newer objects are left out.
+
+        Raises:
+            ValueError: a bad prefix.
+            BackendError: the store failed.
+        """
+
+    @abstractmethod
     def key_of(self, uri: str) -> str:
         """The key of the object a URI names in this store.
 
@@ -56,6 +72,10 @@ class Storage(ABC):
             KeyError: no such object.
             ObjectTooLarge: the object holds more than ``max_bytes`` bytes.
         """
+
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        """A URL that reads the object without credentials for ``expires`` seconds (None where the store has none)."""
+        return None
 
     def read_uri(self, uri: str, max_bytes: int) -> bytes:
         """Read the object a URI names in this store (``s3://bucket/prefix/key``, ``file:///dir/key``).
@@ -91,6 +111,20 @@ def _check_key(key: str) -> str:
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"bad storage key {key!r}")
     return key
+
+
+def _is_key(key: str) -> bool:
+    try:
+        return bool(_check_key(key))
+    except ValueError:
+        return False
+
+
+def _check_prefix(prefix: str) -> str:
+    if not prefix.endswith("/"):
+        raise ValueError(f"a key prefix ends with '/', got {prefix!r}")
+    _check_key(prefix[:-1])
+    return prefix
 
 
 def _key_in_store(uri: str, store_url: str, key: str | None) -> str:
@@ -146,6 +180,17 @@ class FileStorage(Storage):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def list_older(self, prefix: str, before: float) -> Iterator[str]:
+        top = self.root / _check_prefix(prefix)
+        for folder, _, files in os.walk(top):
+            for name in files:
+                path = Path(folder) / name
+                try:
+                    if path.stat().st_mtime < before:
+                        yield path.relative_to(self.root).as_posix()
+                except FileNotFoundError:  # deleted or replaced since the walk listed it
+                    continue
+
     def key_of(self, uri: str) -> str:
         parsed = urlparse(uri)
         path = Path(unquote(parsed.netloc + parsed.path))
@@ -165,6 +210,8 @@ class FileStorage(Storage):
 
 class S3Storage(Storage):
     """Objects in an S3-compatible bucket under a key prefix."""
+
+    page_size = 1000  # keys per ListObjectsV2 call (S3's own maximum)
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None, client: Any = None) -> None:
         import boto3
@@ -241,6 +288,26 @@ class S3Storage(Storage):
             self._call("delete_object", Key=self._key(key))
         except ClientError as e:
             raise BackendError(f"object store {self.url} failed deleting {key}: {e}") from e
+
+    def list_older(self, prefix: str, before: float) -> Iterator[str]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        head = f"{self.prefix}/" if self.prefix else ""
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=head + _check_prefix(prefix), PaginationConfig={"PageSize": self.page_size})
+        try:
+            for page in pages:
+                for item in page.get("Contents", []):
+                    key = item["Key"][len(head):]
+                    if item["LastModified"].timestamp() < before and _is_key(key):
+                        yield key
+        except (BotoCoreError, ClientError) as e:
+            raise BackendError(f"object store {self.url} failed listing {prefix}: {e}") from e
+
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        return str(self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket,
+                                                                            "Key": self._key(key)},
+                                                      ExpiresIn=expires))
 
     def key_of(self, uri: str) -> str:
         bucket, key = split_uri(uri)

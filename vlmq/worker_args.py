@@ -1,9 +1,9 @@
-"""Command-line options of ``vlmq worker`` (kept in the SDK so ``vlmq --help`` needs no torch)."""
+"""Command-line options of ``vlmq worker`` and ``vlmq delivery`` (kept in the SDK so ``vlmq --help`` needs no torch)."""
 from __future__ import annotations
 
 import argparse
 
-from vlmq.settings import BACKENDS
+from vlmq.settings import BACKENDS, LOG_FORMATS
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,3 +16,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS,
                         help="engine (the vlmq engine; default) or hf (plain transformers generate) (VLMQ_BACKEND)")
     parser.add_argument("--name", help="worker name shown in results")
+    parser.add_argument("--log-format", choices=LOG_FORMATS,
+                        help="text, or json: one JSON object per line (VLMQ_LOG_FORMAT)")
+
+
+def add_delivery_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--concurrency", type=int, help="requests sent at once (VLMQ_WEBHOOK_CONCURRENCY)")
+    parser.add_argument("--name", help="worker name shown in logs")

@@ -23,6 +23,7 @@ def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget, 
     app.conf.task_queues = [Queue(q, routing_key=q) for q in budget.queue_costs]
     app.conf.worker_concurrency = budget.max_jobs
     app.conf.worker_pool = "threads"
+    app.conf.worker_send_task_events = settings.worker_events  # Flower and `celery events` see the tasks (-E)
     app.steps["consumer"].add(cost_gate_step(budget, gate or Gate()))
     _hand_back_on_shutdown(settings, ctx)
 

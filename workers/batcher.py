@@ -30,6 +30,7 @@ class Batcher:
         self._inflight: list[Future[GenOutput]] = []
         self._cond = threading.Condition()
         self._stopped = False
+        self._beat = time.monotonic()  # when the model loop last came round (waiting counts: it wakes every second)
         loop = self._stream if isinstance(backend, StreamingBackend) else self._loop
         self._thread = threading.Thread(target=loop, name="vlmq-model", daemon=True)
         self._thread.start()
@@ -58,9 +59,16 @@ class Batcher:
                 handed += 1
         return handed
 
+    def loop_age(self) -> float:
+        """Seconds since the model loop last came round; infinite once it has stopped."""
+        if not self._thread.is_alive():
+            return float("inf")
+        return time.monotonic() - self._beat
+
     def _take(self) -> list[tuple[GenRequest, Future[GenOutput]]]:
         with self._cond:
             while not self._pending and not self._stopped:
+                self._beat = time.monotonic()
                 self._cond.wait(timeout=1.0)
             if self._stopped:
                 return []
@@ -72,6 +80,7 @@ class Batcher:
 
     def _loop(self) -> None:
         while batch := self._take():
+            self._beat = time.monotonic()
             requests = [r for r, _ in batch]
             try:
                 results = self.backend.generate(requests)
@@ -86,8 +95,10 @@ class Batcher:
         assert isinstance(backend, StreamingBackend)
         live: dict[str, Future[GenOutput]] = {}
         while True:
+            self._beat = time.monotonic()
             with self._cond:
                 while not self._pending and not live and not self._stopped:
+                    self._beat = time.monotonic()
                     self._cond.wait(timeout=1.0)
                 if self._stopped:
                     return

@@ -8,15 +8,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from vlmq import keys, records, rules
+import redis as redis_lib
+
+from vlmq import keys, records, rules, webhooks
 from vlmq.errors import BackendError, InvalidRequest, JobFailed
 from vlmq.images import ImageLimits
 from vlmq.jobs import JobStatus, now
 from vlmq.settings import Settings
 from vlmq.storage import Storage
+from vlmq.workers import metrics
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.batcher import Batcher, HandBack
 from vlmq.workers.decode import decode
+from vlmq.workers.logs import job_context, phase
 
 log = logging.getLogger(__name__)
 _ACTIVE = (JobStatus.QUEUED, JobStatus.STARTED)
@@ -42,17 +46,32 @@ def hand_back(ctx: WorkerContext, job_id: str) -> None:
     """Undo this delivery's bookkeeping: a handed-back job is queued again and was no crash."""
     ctx.redis.hincrby(keys.job(job_id), "attempts", -1)
     records.transition(ctx.redis, job_id, [JobStatus.STARTED], JobStatus.QUEUED)
-    log.info("job %s handed back to the queue", job_id)
+    log.info("job %s handed back to the queue", job_id, extra=phase("handed_back"))
 
 
 def run_job(ctx: WorkerContext, job_id: str) -> str:
     """Serve one job end to end; returns the final status. Never raises for a job's own fault."""
+    status = _run_job(ctx, job_id)
+    if status in _FINAL:  # its webhook event, if any: queued (idempotently) for the delivery workers, never sent here
+        try:
+            webhooks.job_ended(ctx.redis, job_id, ctx.settings.job_ttl)
+        except redis_lib.RedisError as e:  # requeued: the redelivery finds the job ended and queues the event again
+            raise HandBack(f"could not queue job {job_id}'s webhook event: {e}") from e
+    return status
+
+
+def _run_job(ctx: WorkerContext, job_id: str) -> str:
     record = records.read(ctx.redis, job_id)
+    with job_context(job_id, record.get("model", ""), record.get("cost_class", "")):
+        return _run(ctx, job_id, record)
+
+
+def _run(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     if not record:
-        log.warning("job %s: no record; dropping its message", job_id)
+        log.warning("job %s: no record; dropping its message", job_id, extra=phase("dropped"))
         return "missing"
     if record.get("status") in _FINAL or ctx.redis.exists(keys.canceled(job_id)):
-        log.info("job %s already %s; skipping", job_id, record["status"])
+        log.info("job %s already %s; skipping", job_id, record["status"], extra=phase("skipped"))
         return record["status"]
     try:
         check_record(ctx, job_id, record)
@@ -61,19 +80,19 @@ def run_job(ctx: WorkerContext, job_id: str) -> str:
     attempts = ctx.redis.hincrby(keys.job(job_id), "attempts", 1)
     if attempts > ctx.settings.max_attempts:
         # every earlier delivery crashed its worker or timed out: stop the loop here
-        return _fail(ctx, job_id, "poison", f"delivered {attempts} times; the previous {attempts - 1} deliveries "
-                     "crashed their worker or timed out", False)
+        return _fail(ctx, job_id, record, "poison", f"delivered {attempts} times; the previous {attempts - 1} "
+                     "deliveries crashed their worker or timed out", False)
     records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.STARTED, {"worker": ctx.name})
-    log.info("job %s started on %s", job_id, ctx.name)
+    log.info("job %s started on %s", job_id, ctx.name, extra=phase("started"))
     try:
         return _serve(ctx, job_id, record)
     except JobFailed as e:
-        return _fail(ctx, job_id, e.error_type, e.message, e.retryable)
+        return _fail(ctx, job_id, record, e.error_type, e.message, e.retryable)
     except HandBack:
         raise
     except Exception as e:  # anything unexpected fails this job alone, with its traceback logged
-        log.exception("job %s: unexpected failure", job_id)
-        return _fail(ctx, job_id, "internal_error", f"{type(e).__name__}: {e}", True)
+        log.exception("job %s: unexpected failure", job_id, extra=phase("failed"))
+        return _fail(ctx, job_id, record, "internal_error", f"{type(e).__name__}: {e}", True)
 
 
 def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
@@ -113,11 +132,12 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
             timings: dict[str, float]) -> str:
     if ctx.redis.exists(keys.canceled(job_id)):
         log.info("job %s canceled while running (%s after %d tokens); result dropped", job_id, out.finish_reason,
-                 len(out.token_ids))
+                 len(out.token_ids), extra=phase("canceled"))
+        metrics.job_ended(record["model"], record.get("cost_class", ""), JobStatus.CANCELED.value)
         return JobStatus.CANCELED.value
     status = JobStatus(records.read(ctx.redis, job_id).get("status", JobStatus.FAILED.value))
     if status.is_final:  # another delivery already ended it (finished, or failed as poison)
-        log.info("job %s already %s; this delivery's result dropped", job_id, status.value)
+        log.info("job %s already %s; this delivery's result dropped", job_id, status.value, extra=phase("skipped"))
         return status.value
     timings["total"] = now() - float(record["created_at"])
     doc = {
@@ -133,7 +153,10 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
         out = GenOutput("", json.loads(ctx.storage.get(key))["token_ids"], "", 0, 0)
     records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FINISHED,
                        {"result_key": key, "generated_tokens": len(out.token_ids)}, ttl=ctx.settings.job_ttl)
-    log.info("job %s finished (%d tokens)", job_id, len(out.token_ids))
+    log.info("job %s finished (%d tokens)", job_id, len(out.token_ids), extra=phase("finished"))
+    first_token = None if out.first_token_s is None else timings["total"] - timings["model"] + out.first_token_s
+    metrics.job_finished(record["model"], record.get("cost_class", ""), timings["total"], first_token,
+                         out.prompt_tokens, len(out.token_ids))
     return JobStatus.FINISHED.value
 
 
@@ -146,7 +169,7 @@ def check_record(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> Non
 def _fail_record(ctx: WorkerContext, job_id: str, record: dict[str, str], error: InvalidRequest) -> str:
     if record.get("status") not in rules.STATUSES:  # a bogus status: make it one the transition can leave
         ctx.redis.hset(keys.job(job_id), "status", JobStatus.QUEUED.value)
-    return _fail(ctx, job_id, error.code, f"the job record was refused: {error}", False)
+    return _fail(ctx, job_id, record, error.code, f"the job record was refused: {error}", False)
 
 
 def with_storage_retry(ctx: WorkerContext, call: Callable[[], T]) -> T:
@@ -164,9 +187,10 @@ def with_storage_retry(ctx: WorkerContext, call: Callable[[], T]) -> T:
             delay = min(delay * 2, 5.0)
 
 
-def _fail(ctx: WorkerContext, job_id: str, code: str, message: str, retryable: bool) -> str:
+def _fail(ctx: WorkerContext, job_id: str, record: dict[str, str], code: str, message: str, retryable: bool) -> str:
     records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FAILED,
                        {"error_type": code, "error_message": message[:2000], "retryable": int(retryable),
                         "worker": ctx.name}, ttl=ctx.settings.job_ttl)
-    log.info("job %s failed: %s: %s", job_id, code, message)
+    log.info("job %s failed: %s: %s", job_id, code, message, extra=phase("failed"))
+    metrics.job_ended(str(record.get("model", "")), str(record.get("cost_class", "")), JobStatus.FAILED.value, code)
     return JobStatus.FAILED.value

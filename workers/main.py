@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import redis as redis_lib
 
@@ -64,6 +65,10 @@ def check_device(device: str) -> None:
         raise SystemExit(f"vlmq worker: cannot use device {device!r}: {reason}")
 
 
+def default_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     """Load the model and consume this model's queues until stopped."""
     from vlmq import keys
@@ -74,35 +79,66 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.costgate import CostBudget, explain_class_cost
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
+    from vlmq.workers.retention import start_sweeper
 
-    check_device(settings.device)
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
     spec = resolve_model(model, settings)
+    check_device(settings.device)
     budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
                         settings.worker_batch)
-    name = name or f"{socket.gethostname()}:{os.getpid()}"
+    name = name or default_name()
     backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget)
     ctx = WorkerContext(settings, redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3),
                         open_storage(settings.storage_url, settings.s3_endpoint_url),
                         Batcher(backend, settings.worker_batch), spec.name, name)
     app = make_worker_app(settings, ctx, budget)
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
+    start_sweeper(settings, ctx.redis, ctx.storage, name)
     log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
              settings.backend, list(budget.queue_costs))
-    for cost_class in cost_classes(settings).names:
-        if keys.queue(spec.name, cost_class) in budget.queue_costs:
-            log.info("cost gate: %s", explain_class_cost(spec, cost_class, settings))
+    served = [c for c in cost_classes(settings).names if keys.queue(spec.name, c) in budget.queue_costs]
+    for cost_class in served:
+        log.info("cost gate: %s", explain_class_cost(spec, cost_class, settings))
+    _start_reporting(ctx, budget, [(spec.name, c) for c in served])
+    # event heartbeats only with task events on (Flower shows the worker online); otherwise no event traffic
+    heartbeat = [] if settings.worker_events else ["--without-heartbeat"]
     app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
-                     "--without-mingle", "--without-heartbeat", "--pool", "threads",
-                     "--concurrency", str(settings.worker_batch)])
+                     "--without-mingle", *heartbeat, "--pool", "threads", "--concurrency", str(settings.worker_batch)])
 
 
-def _gpu_ids(gpus: str) -> list[str]:
-    if gpus != "all":
-        return [g.strip() for g in gpus.split(",") if g.strip()]
+def _start_reporting(ctx: Any, budget: Any, pairs: list[tuple[str, str]]) -> None:
+    """The status hash ``vlmq top`` reads, and /metrics, /healthz and /readyz when VLMQ_METRICS_PORT is set."""
+    from vlmq.workers import broker, metrics
+    from vlmq.workers.status import StatusWriter
+
+    def held() -> tuple[int, int]:
+        queues = broker.held_queues()
+        return len(queues), budget.held_cost(queues)
+
+    s = ctx.settings
+    StatusWriter(ctx.redis, ctx.name, {"model": ctx.model, "device": s.device, "budget": str(budget.budget),
+                                       "queues": ",".join(budget.queue_costs)}, held).start()
+    if s.metrics_port:
+        collector = metrics.WorkerCollector(ctx, budget.queue_costs, pairs, budget.budget, broker.held_queues)
+        metrics.serve(s.metrics_port, collector, metrics.Health(ctx.batcher, ctx.redis))
+
+
+def _split(ids: str) -> list[str]:
+    return [g.strip() for g in ids.split(",") if g.strip()]
+
+
+def _gpu_ids(gpus: str, fake: list[str]) -> list[str]:
+    if fake:  # VLMQ_FAKE_GPUS: these ids run on the CPU
+        ids = fake if gpus == "all" else _split(gpus)
+        if unknown := [g for g in ids if g not in fake]:
+            raise SystemExit(f"vlmq worker: --gpus names {','.join(unknown)}, not in VLMQ_FAKE_GPUS={','.join(fake)}")
+        return ids
+    if gpus != "all":  # named ids are checked by each child (and a child that cannot start is given up)
+        return _split(gpus)
+    check_device("cuda")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:
-        return [g.strip() for g in visible.split(",") if g.strip()]
+        return _split(visible)
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]
@@ -116,8 +152,8 @@ def run_gpu_workers(settings: Settings, model: str, gpus: str) -> int:
     """
     from vlmq.workers.crashloop import RestartPolicy
 
-    check_device("cuda")
-    ids = _gpu_ids(gpus)
+    fake = _split(settings.fake_gpus)
+    ids = _gpu_ids(gpus, fake)
     if not ids:
         raise SystemExit("vlmq worker: --gpus named no GPU ids; use --gpus all, --gpus 0,1 or --device cpu")
     children: dict[str, subprocess.Popen[bytes]] = {}
@@ -127,9 +163,10 @@ def run_gpu_workers(settings: Settings, model: str, gpus: str) -> int:
     stopping = False
 
     def spawn(gpu: str) -> None:
-        env = {**os.environ, **settings.to_env(), "CUDA_VISIBLE_DEVICES": gpu, "VLMQ_DEVICE": "cuda:0"}
+        env = {**os.environ, **settings.to_env(), **_child_env(settings, gpu, ids.index(gpu), bool(fake))}
         children[gpu] = subprocess.Popen([sys.executable, "-m", "vlmq.workers.main", "--model", model], env=env)
         started[gpu] = time.monotonic()
+        log.info("started the worker for GPU %s%s: pid %d", gpu, " (on the CPU)" if fake else "", children[gpu].pid)
 
     def stop(*_: object) -> None:
         nonlocal stopping
@@ -164,19 +201,30 @@ def run_gpu_workers(settings: Settings, model: str, gpus: str) -> int:
     return max((c.wait() for c in children.values()), default=0)
 
 
+def _child_env(settings: Settings, gpu: str, index: int, fake: bool) -> dict[str, str]:
+    """What pins a supervised worker to its GPU (or, for a fake GPU, to the CPU), and its own metrics port."""
+    env = {"CUDA_VISIBLE_DEVICES": "" if fake else gpu, "VLMQ_DEVICE": "cpu" if fake else "cuda:0"}
+    if settings.metrics_port:
+        env["VLMQ_METRICS_PORT"] = str(settings.metrics_port + index)
+    return env
+
+
 def main_from_args(args: argparse.Namespace) -> int:
+    from vlmq.workers import logs
+
     overrides = {k: v for k, v in (("device", args.device), ("worker_classes", args.classes),
                                    ("worker_budget", args.budget), ("worker_batch", args.batch),
-                                   ("backend", args.backend)) if v is not None}
+                                   ("backend", args.backend), ("log_format", args.log_format)) if v is not None}
     settings = Settings.from_env(**overrides)
+    name = args.name or default_name()
+    logs.configure(settings.log_format, "supervisor:" + name if args.gpus else name)
     if args.gpus:
         return run_gpu_workers(settings, args.model, args.gpus)
-    run_worker(settings, args.model, args.name)
+    run_worker(settings, args.model, name)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="vlmq worker")
     add_worker_arguments(parser)
     return main_from_args(parser.parse_args(argv))

@@ -17,8 +17,9 @@ def test_start_up_crashes_back_off_then_give_up_and_a_long_run_resets_the_count(
 
 
 def test_the_supervisor_gives_up_a_gpu_whose_worker_dies_on_start_up(tmp_path) -> None:
-    # a worker for a model that does not exist dies at once, every time, as one fed a poison message would
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    # a worker for a model that does not exist dies at once, every time, as one fed a poison message would;
+    # GPU 7 is a fake one (VLMQ_FAKE_GPUS), so this runs without a GPU
+    env = {**os.environ, "VLMQ_FAKE_GPUS": "7"}
     proc = subprocess.run([sys.executable, "-m", "vlmq.workers.main", "--gpus", "7", "--model", "no-such-model"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1

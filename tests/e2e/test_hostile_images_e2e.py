@@ -66,7 +66,7 @@ class Forger:
                   "created_at": stamp, "queued_at": stamp, "idempotency_key": "", "max_new_tokens": 8}
         self.client.redis.hset(keys.job(job_id), mapping=record)
         self.celery.send_task(TASK_NAME, args=[job_id], queue=record["queue"])
-        return Job(self.client, job_id)
+        return Job(self.client.store, job_id)
 
     def close(self) -> None:
         self.celery.close()

@@ -112,6 +112,7 @@ def test_each_tenants_jobs_finish_under_its_own_ids_keys_and_prefix(pool: Pool) 
                 assert result.job_id == job.id and result.worker == "tenants-worker"
                 assert job.info()["input_key"].startswith(f"t/{tenant}/inputs/")
                 assert client.storage.exists(f"t/{tenant}/results/{job.id}.json")
+                assert job.deliveries() == []  # its webhook attempts are readable with its own credentials
     with Client(settings=pool.settings) as operator:
         listed = operator.storage.client.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}/t/")
     stored = {o["Key"] for o in listed["Contents"]}
@@ -133,13 +134,15 @@ def test_a_tenant_is_refused_the_other_tenants_record_status_result_and_cancel(p
             with pytest.raises(JobNotFound, match="tenant 'acme'"):
                 acme.job(job_id)
             handle = Job(acme.store, job_id)
-            for call in (handle.info, handle.status, lambda h=handle: h.result(timeout=1), handle.cancel):
+            for call in (handle.info, handle.status, lambda h=handle: h.result(timeout=1), handle.cancel,
+                         handle.deliveries):
                 with pytest.raises(JobNotFound):
                     call()
     with pool.client("acme", scoped=False) as acme:  # the tenant's credentials without the SDK's check: Redis refuses
         for job_id in ids:
             handle = Job(acme.store, job_id)
-            for call in (handle.info, handle.status, lambda h=handle: h.result(timeout=1), handle.cancel):
+            for call in (handle.info, handle.status, lambda h=handle: h.result(timeout=1), handle.cancel,
+                         handle.deliveries):
                 with pytest.raises(BackendError, match="NOPERM|[Nn]o permissions"):
                     call()
     with pool.client("bob") as bob:  # nothing the refused calls tried happened

@@ -10,7 +10,7 @@ import torch
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when CUDA is unusable")
 
 
-@pytest.mark.parametrize("args", [["--device", "cuda"], ["--device", "cuda:1"], ["--gpus", "all"], ["--gpus", "0"]])
+@pytest.mark.parametrize("args", [["--device", "cuda"], ["--device", "cuda:1"], ["--gpus", "all"]])
 def test_asking_for_a_gpu_without_one_exits_with_one_line(args: list[str]) -> None:
     run = subprocess.run([sys.executable, "-m", "vlmq.cli", "worker", *args], capture_output=True, text=True,
                          timeout=120)

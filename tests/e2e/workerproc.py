@@ -65,3 +65,32 @@ def ready_worker(redis_url: str, settings: Settings, log_path: Path, *extra: str
         yield worker
     finally:
         worker.stop()
+
+
+def descendants(root: int) -> dict[int, str]:
+    """pid -> command name of every live process below ``root``."""
+    parents: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if rest[0] != "Z":
+            parents[int(entry.name)] = (int(rest[1]), name)
+    found, frontier = {}, {root}
+    while frontier:
+        frontier = {pid for pid, (ppid, _) in parents.items() if ppid in frontier}
+        found.update({pid: parents[pid][1] for pid in frontier})
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

@@ -12,6 +12,7 @@ from PIL import Image
 from vlmq import keys
 from vlmq.batch import BatchInvalid, BatchStatus
 from vlmq.client import Client
+from vlmq.errors import InvalidRequest
 from vlmq.jobs import JobStatus
 
 
@@ -142,6 +143,7 @@ def test_a_job_counts_only_in_a_batch_of_its_own_tenant(client: Client, tmp_path
     batch = client.submit_batch(path)
     forged = "acme." + "f" * 32  # another tenant's job whose record names this batch
     client.redis.hset(keys.job(forged), mapping={"id": forged, "status": "queued", "batch_id": batch.id})
+    client.redis.expire(keys.job(forged), 60)
     assert records.transition(client.redis, forged, [JobStatus.QUEUED], JobStatus.FAILED)[0]
     assert batch.refresh()["request_counts"]["failed"] == 0
     [own] = [j.decode() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
@@ -168,3 +170,22 @@ def test_a_tenants_acl_user_submits_cancels_and_finalizes_its_batch(redis_client
             assert (tmp_path / "store" / keys.batch_object(batch.id, "errors.jsonl")).is_file()
     finally:
         redis_client.execute_command("ACL", "DELUSER", user)
+
+
+def test_a_batch_with_a_webhook_queues_one_batch_completed_event_when_it_ends(client: Client, tmp_path: Path) -> None:
+    from vlmq import webhooks
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text(line("a", data_url(png())) + "\n")
+    with pytest.raises(InvalidRequest) as err:
+        client.submit_batch(path, webhook="http://169.254.169.254/latest")
+    assert err.value.code == "bad_webhook"
+    batch = client.submit_batch(path, webhook="https://1.1.1.1/hooks/vlmq")
+    [job_id] = [j.decode() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
+    assert client.job(job_id).info()["webhook"] == ""  # its requests send no job events of their own
+    assert batch.cancel()["status"] == "cancelled"
+    event = client.redis.hgetall(keys.webhook_event(webhooks.event_id("batch.completed", batch.id)))
+    assert event[b"type"] == b"batch.completed" and event[b"url"] == b"https://1.1.1.1/hooks/vlmq"
+    data = json.loads(event[b"data"])
+    assert data["id"] == batch.id and data["status"] == "cancelled" and data["request_counts"]["failed"] == 1
+    client.redis.delete(keys.webhook_due())  # no delivery worker runs here to take the event

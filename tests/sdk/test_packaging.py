@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_importing_the_sdk_does_not_import_torch() -> None:
-    code = ("import sys, vlmq, vlmq.client, vlmq.cli, vlmq.demo, vlmq.storage, vlmq.cost, vlmq.images; "
+    code = ("import sys, vlmq, vlmq.client, vlmq.cli, vlmq.demo, vlmq.storage, vlmq.cost, vlmq.images, vlmq.fleet, "
+            "vlmq.up; "
             "bad = [m for m in ('torch', 'transformers', 'vlmq.workers', 'vlmq.kernels') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

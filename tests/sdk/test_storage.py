@@ -1,6 +1,8 @@
 """Storage: the same behaviour over file:// and a real S3-compatible server."""
 from __future__ import annotations
 
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,6 +52,29 @@ def test_read_uri_reads_objects_of_this_store_only_and_caps_their_size(storage: 
     for outside in elsewhere:
         with pytest.raises(ValueError, match="not in this pool's storage"):
             storage.read_uri(outside, max_bytes=5)
+
+
+def test_list_older_lists_the_objects_under_a_prefix_written_before_a_time(storage: Storage) -> None:
+    names = ["inputs/a", "inputs/b", "inputs/c", "inputs/d", "inputs/sub/e"]
+    for name in names + ["results/j.json", "kv/m/h", "inputs-not/x"]:
+        storage.put(name, b"x")
+    if isinstance(storage, S3Storage):
+        storage.page_size = 2  # three ListObjectsV2 pages, and a name no key can have, which is left out
+        storage.client.put_object(Bucket=storage.bucket, Key=f"{storage.prefix}/inputs//odd", Body=b"x")
+    assert sorted(storage.list_older("inputs/", time.time() + 5)) == names
+    assert list(storage.list_older("inputs/", time.time() - 3600)) == []
+    assert list(storage.list_older("missing/", time.time() + 5)) == []
+    for bad in ("inputs", "/inputs/", "../inputs/"):
+        with pytest.raises(ValueError):
+            list(storage.list_older(bad, time.time()))
+
+
+def test_list_older_goes_by_file_modification_time(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path)
+    storage.put("results/old.json", b"x")
+    storage.put("results/new.json", b"x")
+    os.utime(tmp_path / "results/old.json", (time.time() - 7200, time.time() - 7200))
+    assert list(storage.list_older("results/", time.time() - 3600)) == ["results/old.json"]
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "."])

@@ -31,6 +31,7 @@ class GenOutput:
     finish_reason: FinishReason  # stop, length or canceled (an error is returned in the request's slot instead)
     prompt_tokens: int
     image_tokens: int
+    first_token_s: float | None = None  # seconds from start() to the first generated token, where the backend knows
 
 
 class Backend(ABC):

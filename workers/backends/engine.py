@@ -91,7 +91,8 @@ def _gen_output(out: RequestOutput) -> GenOutput | Exception:
         return InvalidRequest(str(out.error), code=out.error.code)
     if out.error is not None:
         return out.error
-    return GenOutput(out.text, out.token_ids, out.finish_reason, out.prompt_tokens, out.image_tokens)
+    first = None if out.first_token_time is None else out.first_token_time - out.arrival_time
+    return GenOutput(out.text, out.token_ids, out.finish_reason, out.prompt_tokens, out.image_tokens, first)
 
 
 def num_blocks_for_tokens(kv_tokens: int, engine_config: dict[str, Any]) -> int:
