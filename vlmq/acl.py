@@ -21,11 +21,16 @@ WORKER_USER = "vlmq-worker"
 # what redis-py sends on connecting (AUTH or HELLO, library name, SELECT for a /<db> URL) and PING
 CONNECTION_COMMANDS = ["hello", "auth", "ping", "client|setinfo", "client|setname", "select"]
 # what the SDK runs on its own keys: records (HSET/EXPIRE/HGETALL), idempotency (SET NX GET, DEL on
-# release), waiting (BLMOVE on the done list), the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH) and
-# reading webhook delivery attempts (LRANGE, ``Job.deliveries()``), affinity routes of its own inputs (GET)
-TENANT_COMMANDS = ["hgetall", "hget", "hset", "expire", "set", "del", "blmove", "rpush", "eval", "lrange", "get"]
-# publishing is one LPUSH (the SDK publishes without declaring, see Client._publish); LLEN for queue limits
+# release), waiting (BLMOVE on the done list), the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH,
+# EXISTS, HINCRBY), reading webhook delivery attempts (LRANGE, ``Job.deliveries()``), affinity routes of its own
+# inputs (GET) and batches (HGETALL/HSET on its batch hash, RPUSH/LRANGE on its job list, GET/SET/DEL on its
+# finalizer lease; MULTI/EXEC around a batch's creation)
+TENANT_COMMANDS = ["hgetall", "hget", "hmget", "hset", "hincrby", "exists", "expire", "get", "set", "del", "blmove",
+                   "rpush", "lrange", "eval", "multi", "exec", "discard"]
+# publishing is one LPUSH per message (see vlmq.wire); LLEN for queue limits
 QUEUE_COMMANDS = ["lpush", "llen"]
+# the wake token after a publish (vlmq.keys.wake): a latency hint, harmless to trim
+WAKE_COMMANDS = ["lpush", "ltrim", "expire"]
 
 
 def tenant_user(tenant: str) -> str:
@@ -39,7 +44,11 @@ def tenant_rules(tenant: str) -> list[str]:
     return ["resetchannels", "-@all", *(f"+{c}" for c in CONNECTION_COMMANDS + TENANT_COMMANDS),
             *(f"~{p}" for p in keys.tenant_key_patterns(tenant)),
             *(f"%R~{p}" for p in keys.tenant_read_patterns(tenant)),  # routes: readable, never forged
-            f"(~{keys.queue_pattern()} {commands})"]
+            f"(~{keys.queue_pattern()} {commands})",
+            f"(~{keys.wake_pattern()} {' '.join(f'+{c}' for c in WAKE_COMMANDS)})",
+            # the enqueue script (vlmq.client) declares the job's record, its queue list and the wake list; each
+            # command inside it is checked against the rules above
+            f"(~{keys.job(keys.tenant_job_id(tenant, '*'))} ~{keys.queue_pattern()} ~{keys.wake_pattern()} +eval)"]
 
 
 def worker_rules() -> list[str]:

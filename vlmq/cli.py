@@ -1,23 +1,51 @@
-"""The ``vlmq`` command: demo, up, worker, delivery, top, cost, submit, status, result, acl, cache."""
+"""The ``vlmq`` command: demo, up, worker, delivery, top, cost, submit, status, result, wait, cancel, batch, acl,
+cache.
+
+Read commands print readable text by default and the records themselves with ``--json``.
+"""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from vlmq.errors import VlmqError
+from vlmq.cliformat import emit, job_lines, result_lines
+from vlmq.errors import JobFailed, JobNotFound, JobTimeout, VlmqError
+
+EPILOG = """environment:
+  VLMQ_BROKER_URL   Redis URL of the pool (default redis://127.0.0.1:6379/0); --broker overrides it
+  VLMQ_STORAGE_URL  s3://bucket/prefix or file:///dir (default file:///tmp/vlmq); --storage overrides it
+  Producers and workers must share both. Every VLMQ_* setting: python -m vlmq.settings --markdown
+"""
 
 
 def _cost(args: argparse.Namespace) -> int:
-    from vlmq.cost import cost_report
+    from vlmq.cost import REPORT_COLUMNS, cost_report, report_rows
     from vlmq.models import cost_classes, resolve_model
     from vlmq.settings import Settings
 
     settings = Settings.from_env()
     spec = resolve_model(args.model, settings)
-    print(cost_report(args.images, spec.policy, cost_classes(settings)))
-    return 0
+    rows = report_rows(args.images, spec.policy, cost_classes(settings))
+    if args.json:
+        emit([dict(zip(REPORT_COLUMNS, row, strict=True)) for row in rows], True)
+    else:
+        print(cost_report(args.images, spec.policy, cost_classes(settings)), end="")
+    refused = [row[0] for row in rows if row[-1].startswith("error:")]
+    if refused:
+        print(f"error: {len(refused)} file(s) refused: {', '.join(refused)}", file=sys.stderr)
+    return 1 if refused else 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    """A client from the environment, with ``--broker``/``--storage`` overriding it."""
+    from vlmq.client import Client
+    from vlmq.settings import Settings
+
+    overrides = {k: v for k, v in (("broker_url", getattr(args, "broker", None)),
+                                   ("storage_url", getattr(args, "storage", None))) if v}
+    return Client(settings=Settings.from_env(**overrides))
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -60,33 +88,64 @@ def _top(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from vlmq.client import Client
-
-    with Client.from_env() as client:
+    with _client(args) as client:
         job = client.submit(args.image, args.prompt, model=args.model, max_new_tokens=args.max_new_tokens,
                             priority=args.priority, idempotency_key=args.idempotency_key, webhook=args.webhook)
         if not args.wait:
-            print(job.id)
+            emit({"id": job.id}, args.json, [job.id])
             return 0
         result = job.result(timeout=args.timeout)
-        print(json.dumps(result.raw, indent=2))
+        emit(result.raw, args.json, result_lines(result.raw))
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from vlmq.client import Client
-
-    with Client.from_env() as client:
-        print(json.dumps(client.job(args.job_id).info(), indent=2))
+    with _client(args) as client:
+        records = [client.job(job_id).info() for job_id in args.job_ids]
+        emit(records if len(records) > 1 else records[0], args.json, [x for r in records for x in job_lines(r)])
     return 0
 
 
 def _result(args: argparse.Namespace) -> int:
-    from vlmq.client import Client
-
-    with Client.from_env() as client:
-        print(json.dumps(client.job(args.job_id).result(timeout=args.timeout).raw, indent=2))
+    with _client(args) as client:
+        raw = client.job(args.job_id).result(timeout=args.timeout).raw
+        emit(raw, args.json, result_lines(raw))
     return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    outcomes = {}
+    with _client(args) as client:
+        for job_id in args.job_ids:
+            try:
+                outcomes[job_id] = "canceled" if client.job(job_id).cancel() else "already ended"
+            except JobNotFound:
+                outcomes[job_id] = "not found"
+    emit(outcomes, args.json, [f"{job_id}: {what}" for job_id, what in outcomes.items()])
+    return 1 if "not found" in outcomes.values() else 0
+
+
+def _wait(args: argparse.Namespace) -> int:
+    """Wait for every job; exit 0 if all finished, 1 if any failed or was canceled, 124 on timeout."""
+    import time
+
+    deadline = time.monotonic() + args.timeout
+    outcomes: dict[str, dict[str, str]] = {}
+    with _client(args) as client:
+        for job_id in args.job_ids:
+            job = client.job(job_id)
+            try:
+                job.result(timeout=max(0.0, deadline - time.monotonic()))
+                outcomes[job_id] = {"status": "finished"}
+            except JobFailed as e:
+                outcomes[job_id] = {"status": job.status().value, "error": f"{e.error_type}: {e.message}"}
+            except JobTimeout:
+                outcomes[job_id] = {"status": job.status().value, "error": f"timeout after {args.timeout:g} s"}
+    emit(outcomes, args.json, [f"{j}: {o['status']}" + (f" ({o['error']})" if "error" in o else "")
+                               for j, o in outcomes.items()])
+    if any(o["status"] not in ("finished", "failed", "canceled") for o in outcomes.values()):
+        return 124
+    return 0 if all(o["status"] == "finished" for o in outcomes.values()) else 1
 
 
 def _acl(args: argparse.Namespace) -> int:
@@ -104,11 +163,9 @@ def _acl(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from vlmq.client import Client
-
-    with Client.from_env() as client:
+    with _client(args) as client:
         if args.action == "stats":
-            print(json.dumps(client.cache_stats(), indent=2, sort_keys=True))
+            emit(client.cache_stats(), True)  # nested counters: shown as indented JSON either way
             return 0
         if not args.model:
             print("error: vlmq cache purge needs --model NAME (or a model hash from vlmq cache stats)",
@@ -119,9 +176,9 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_cache(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("cache", help="the fleet's caches: archive size and hit rates (stats), delete an archive "
-                       "(purge --model M)")
+def _add_cache(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("cache", parents=[common], help="the fleet's caches: archive size and hit rates (stats), "
+                       "delete an archive (purge --model M)")
     p.add_argument("action", choices=["stats", "purge"])
     p.add_argument("--model", help="purge: the model name, or a model hash as stats shows it")
     p.set_defaults(func=_cache)
@@ -135,6 +192,47 @@ def _add_acl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--password", help="the user's password (default: a new random one, printed in the command)")
     p.add_argument("--acl-file", action="store_true", help="print an ACL file line instead of an ACL SETUSER command")
     p.set_defaults(func=_acl)
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options every command that reaches the pool takes (before or after the command name)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--broker", default=argparse.SUPPRESS, metavar="URL",
+                        help="Redis URL of the pool (default: VLMQ_BROKER_URL)")
+    common.add_argument("--storage", default=argparse.SUPPRESS, metavar="URL",
+                        help="s3://bucket/prefix or file:///dir (default: VLMQ_STORAGE_URL)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print JSON records instead of text")
+    return common
+
+
+def _add_jobs(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("submit", parents=[common], help="submit one job (prints its id, or the result with --wait)")
+    p.add_argument("image")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="tiny-shapes")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--priority", type=int, default=5)
+    p.add_argument("--idempotency-key")
+    p.add_argument("--webhook", help="http(s) URL told when the job ends (default VLMQ_WEBHOOK_URL)")
+    p.add_argument("--wait", action="store_true")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=_submit)
+    p = sub.add_parser("status", parents=[common], help="print jobs' records")
+    p.add_argument("job_ids", nargs="+", metavar="ID")
+    p.set_defaults(func=_status)
+    p = sub.add_parser("result", parents=[common], help="wait for a job and print its result")
+    p.add_argument("job_id")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=_result)
+    p = sub.add_parser("wait", parents=[common],
+                       help="wait for jobs; exit 0 if all finished, 1 if any failed or was canceled, 124 on timeout")
+    p.add_argument("job_ids", nargs="+", metavar="ID")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for all of them (default 600)")
+    p.set_defaults(func=_wait)
+    p = sub.add_parser("cancel", parents=[common], help="cancel jobs (queued ones never run)")
+    p.add_argument("job_ids", nargs="+", metavar="ID")
+    p.set_defaults(func=_cancel)
 
 
 def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -156,7 +254,12 @@ def _add_top(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlmq", description="Serve vision-language models from a queue.")
+    from vlmq.clibatch import add_batch
+
+    common = _common()
+    parser = argparse.ArgumentParser(prog="vlmq", description="Serve vision-language models from a queue.",
+                                     parents=[common], epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="run the whole pool on this machine and caption sample images")
     p.add_argument("--jobs", type=int, default=16, help="number of jobs to submit (default 16)")
@@ -172,35 +275,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_delivery_arguments(p)
     p.set_defaults(func=_delivery)
     _add_top(sub)
-    p = sub.add_parser("cost", help="print the vision-token cost of images from their headers")
+    p = sub.add_parser("cost", parents=[common], help="print the vision-token cost of images from their headers "
+                       "(exit 1 if any is refused)")
     p.add_argument("images", nargs="+")
     p.add_argument("--model", default="tiny-shapes")
     p.set_defaults(func=_cost)
-    p = sub.add_parser("submit", help="submit one job (prints its id, or the result with --wait)")
-    p.add_argument("image")
-    p.add_argument("prompt")
-    p.add_argument("--model", default="tiny-shapes")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--priority", type=int, default=5)
-    p.add_argument("--idempotency-key")
-    p.add_argument("--webhook", help="http(s) URL told when the job ends (default VLMQ_WEBHOOK_URL)")
-    p.add_argument("--wait", action="store_true")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.set_defaults(func=_submit)
-    p = sub.add_parser("status", help="print a job's record")
-    p.add_argument("job_id")
-    p.set_defaults(func=_status)
-    p = sub.add_parser("result", help="wait for a job and print its result")
-    p.add_argument("job_id")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.set_defaults(func=_result)
+    _add_jobs(sub, common)
+    add_batch(sub, common, _client)
     _add_acl(sub)
-    _add_cache(sub)
+    _add_cache(sub, common)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.json = getattr(args, "json", False)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

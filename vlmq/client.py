@@ -3,30 +3,49 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
 from vlmq import affinity, cachestats, keys, rules
+from vlmq import batch as batches
+from vlmq.batchfile import BatchLine, LineError, parse_line, read_lines
 from vlmq.cost import CostEstimate, estimate
 from vlmq.errors import BackendError, InvalidRequest, QueueFull
 from vlmq.images import ImageInfo, ImageLimits, ImageSource, is_storage_url, load_source, probe
 from vlmq.jobs import Job, new_job_id
 from vlmq.models import ModelSpec, cost_classes, resolve_model
-from vlmq.queue import DEFAULT_PRIORITY, TASK_NAME, make_celery
+from vlmq.queue import DEFAULT_PRIORITY
 from vlmq.request import DEFAULT_MODEL, JobRequest, fingerprint
 from vlmq.settings import Settings
 from vlmq.storage import ObjectTooLarge, Storage, open_storage
 from vlmq.store import JobStatus, JobStore, now
 from vlmq.webhook_guard import check_webhook
+from vlmq.wire import MessageWriter, list_for
 
 log = logging.getLogger(__name__)
+# KEYS[1]=job hash, KEYS[2]=queue list, KEYS[3]=wake list; ARGV[1]=record TTL, ARGV[2]=wake TTL,
+# ARGV[3]=message, ARGV[4..]=record field, value pairs. The record exists before its message is visible.
+_ENQUEUE = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('LPUSH', KEYS[2], ARGV[3])
+redis.call('LPUSH', KEYS[3], '1')
+redis.call('LTRIM', KEYS[3], 0, 0)
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+"""
+CHUNK = 500  # jobs per Redis transaction (records, messages and wake tokens in one round trip)
+INPUT_THREADS = 16  # concurrent input uploads of one submit_many
+WAKE_TTL = 10  # seconds an unclaimed wake token lives
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +100,8 @@ class Client:
         self.storage: Storage = open_storage(self.settings.storage_url, self.settings.s3_endpoint_url)
         self.store = JobStore(redis, self.storage, self.settings.job_ttl, _safe_url(self.settings.broker_url),
                               tenant=self.tenant)
-        self._celery = make_celery(self.settings, name="vlmq-producer")
+        self._writer = MessageWriter()
+        self._pool: ThreadPoolExecutor | None = None
         self._limits = ImageLimits(max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_image_pixels)
 
     @property
@@ -97,7 +117,8 @@ class Client:
     def close(self) -> None:
         """Release connections."""
         self.redis.close()
-        self._celery.close()
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def __enter__(self) -> Client:
         return self
@@ -158,6 +179,93 @@ class Client:
             except InvalidRequest as e:
                 raise InvalidRequest(f"request {i}: {e}", code=e.code) from e
         return self._submit(prepared, wait_for_room)
+
+    def submit_batch(self, path: str | Path, *, completion_window: str = "24h", priority: int = DEFAULT_PRIORITY,
+                     max_new_tokens: int = 128, metadata: Mapping[str, str] | None = None,
+                     webhook: str | None = None) -> batches.Batch:
+        """Submit a batch file in the OpenAI Batch format (``vlmq.batchfile``): one job per line.
+
+        Every line is parsed and its image loaded and priced before anything is enqueued.
+
+        Args:
+            path: the JSONL file.
+            completion_window: after this (``24h``, ``90m``, ...) requests not yet ended are cancelled and the
+                batch ends ``expired``.
+            priority: the priority of every job (0 highest .. 9).
+            max_new_tokens: for lines without ``max_tokens``/``max_completion_tokens``.
+            metadata: string pairs kept on the batch object.
+            webhook: http(s) URL that receives a signed ``batch.completed`` event when the batch ends (None: the
+                client's default webhook, ``""``: none). Its jobs send no events of their own.
+
+        Returns:
+            A handle on the batch (``in_progress``).
+
+        Raises:
+            BatchInvalid: lines were refused (each with its number and reason); the batch is ``failed`` and
+                nothing was enqueued.
+            QueueFull: a class queue has no room for the batch; nothing was enqueued.
+            BackendError: Redis or the object store failed.
+        """
+        window = batches.window_seconds(completion_window)
+        batch_id, created = batches.new_batch_id(self.tenant), now()
+        fields = {"endpoint": "/v1/chat/completions", "input_file": str(path), "completion_window": completion_window,
+                  "created_at": repr(created), "expires_at": repr(created + window),
+                  "metadata": json.dumps(dict(metadata or {}))}
+        webhook = self.settings.webhook_url if webhook is None else webhook
+        if webhook:
+            fields["webhook"] = check_webhook(webhook, self.settings.webhook_allow)
+        prepared, lines, errors = self._prepare_batch(Path(path), priority, max_new_tokens)
+        if errors or not lines:
+            errors = errors or [LineError(0, "empty_file", "the batch file has no requests")]
+            batches.create(self.store, batch_id, fields | {"total": len(lines) + len(errors), "errors": json.dumps(
+                [{"code": e.code, "message": e.message, "line": e.line} for e in errors])}, [])
+            self.store.call(batches.set_status, self.redis, batch_id, batches.BatchStatus.FAILED)
+            raise batches.BatchInvalid(errors, batch_id)
+        job_ids = [keys.tenant_job_id(self.tenant, new_job_id()) for _ in lines]
+        batches.create(self.store, batch_id, fields | {"total": len(lines)}, job_ids)
+        extra = [{"batch_id": batch_id, "custom_id": line.custom_id} for line in lines]
+        try:
+            self._submit(prepared, 0.0, job_ids, extra)
+        except BaseException:
+            self.store.call(batches.set_status, self.redis, batch_id, batches.BatchStatus.FAILED)
+            raise
+        self.store.call(batches.set_status, self.redis, batch_id, batches.BatchStatus.IN_PROGRESS)
+        log.info("batch %s in progress: %d requests", batch_id, len(lines))
+        batch = batches.Batch(self.store, batch_id)
+        batch.refresh()  # every job may have ended already: finalize now
+        return batch
+
+    def batch(self, batch_id: str) -> batches.Batch:
+        """Handle on an existing batch.
+
+        Raises:
+            JobNotFound: no such batch, or another tenant's.
+        """
+        batch = batches.Batch(self.store, batch_id)
+        batch.refresh()
+        return batch
+
+    def _prepare_batch(self, path: Path, priority: int,
+                       max_new_tokens: int) -> tuple[list[_Prepared], list[BatchLine], list[LineError]]:
+        prepared, lines, errors, seen = [], [], [], set()
+        try:
+            numbered = list(read_lines(path))
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"cannot read batch file {str(path)!r}: {e}", code="bad_batch_file") from e
+        for number, text in numbered:
+            try:
+                line = parse_line(number, text, path.resolve().parent)
+                if line.custom_id in seen:
+                    raise InvalidRequest(f"custom_id {line.custom_id!r} is used by an earlier line",
+                                         code="duplicate_custom_id")
+                seen.add(line.custom_id)
+                request = JobRequest(line.image, line.prompt, model=line.model, priority=priority,
+                                     max_new_tokens=line.max_new_tokens or max_new_tokens, webhook="")
+                prepared.append(self._prepare(request))
+                lines.append(line)
+            except InvalidRequest as e:
+                errors.append(LineError(number, e.code, str(e)))
+        return prepared, lines, errors
 
     def job(self, job_id: str) -> Job:
         """Handle on an existing job.
@@ -245,24 +353,55 @@ class Client:
         except (ValueError, KeyError) as e:
             raise InvalidRequest(f"cannot read {uri}: {e}", code="bad_image_source") from e
 
-    def _submit(self, items: list[_Prepared], wait_for_room: float) -> list[Job]:
-        job_ids = [keys.tenant_job_id(self.tenant, new_job_id()) for _ in items]
+    def _submit(self, items: list[_Prepared], wait_for_room: float, job_ids: list[str] | None = None,
+                extra: Sequence[Mapping[str, str]] | None = None) -> list[Job]:
+        """Store the inputs, then write records and messages; ``extra`` adds record fields per item."""
+        job_ids = job_ids or [keys.tenant_job_id(self.tenant, new_job_id()) for _ in items]
         claimed: list[str] = []  # idempotency keys this call set: released if nothing gets enqueued
         try:
             fresh = self._claim_idempotency(items, job_ids, claimed)
             self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
+            # durability: every input is stored before any message that names it becomes visible
+            self._store_inputs(list({items[i].sha256: items[i] for i in fresh}.values()))
+            self._enqueue([(job_ids[i], items[i], extra[i] if extra else {}) for i in fresh])
         except BaseException:
             if claimed:
                 self.store.call(self.redis.delete, *(keys.idempotency(k, self.tenant) for k in claimed))
             raise
-        for item in {items[i].sha256: items[i] for i in fresh}.values():  # one storage check per distinct image
-            self._store_input(item)
-        queues = self._route([items[i] for i in fresh])
-        self.store.create(self._record(job_ids[i], items[i], q) for i, q in zip(fresh, queues, strict=True))
-        with self._celery.producer_or_acquire() as producer:
-            for i, queue in zip(fresh, queues, strict=True):
-                self._publish(job_ids[i], items[i], queue, producer)
         return [Job(self.store, job_id) for job_id in job_ids]
+
+    def _store_inputs(self, items: list[_Prepared]) -> None:
+        if len(items) <= 1:
+            for item in items:
+                self._store_input(item)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="vlmq-input")
+        list(self._pool.map(self._store_input, items))
+
+    def _enqueue(self, entries: list[tuple[str, _Prepared, Mapping[str, str]]]) -> None:
+        """Records, messages and wake tokens: one script call per job, one round trip per chunk.
+
+        The script writes a job's record before its message, atomically, so a worker never pops a message
+        whose record is missing and a failed call leaves neither behind.
+        """
+        for start in range(0, len(entries), CHUNK):
+            chunk = entries[start:start + CHUNK]
+            queues = self._route([item for _, item, _ in chunk])  # a hot image's worker queue, else the shared one
+            pipe = self.redis.pipeline(transaction=False)
+            for (job_id, item, extra), queue in zip(chunk, queues, strict=True):
+                pairs = [v for kv in (self._record(job_id, item, queue) | dict(extra)).items() for v in kv]
+                priority = item.request.priority
+                pipe.eval(_ENQUEUE, 3, keys.job(job_id), list_for(queue, priority), keys.wake(queue),
+                          self.settings.job_ttl, WAKE_TTL, self._writer.message(job_id, queue, priority), *pairs)
+            try:
+                self.store.call(pipe.execute)
+            except BackendError as e:
+                raise BackendError(f"could not enqueue jobs {start}..{start + len(chunk) - 1} of this submit "
+                                   f"({start} were enqueued before; some of these may be): {e}") from e
+            for job_id, item, _ in chunk:
+                log.info("job %s queued (%s, %d vision tokens)", job_id, item.cost.cost_class,
+                         item.cost.vision_tokens)
 
     def _claim_idempotency(self, items: list[_Prepared], job_ids: list[str], claimed: list[str]) -> list[int]:
         """Claim each request's idempotency key; returns the indices to enqueue (the others reuse a job id)."""
@@ -323,18 +462,6 @@ class Client:
             "created_at": stamp, "queued_at": stamp, "idempotency_key": request.idempotency_key or "",
             "attempts": 0, "ignore_eos": int(bool(request.ignore_eos)), "webhook": item.webhook,
         }
-
-    def _publish(self, job_id: str, item: _Prepared, queue: str, producer: Any) -> None:
-        try:
-            # declare=[]: publish is one LPUSH; workers declare the queues they consume, so producers need
-            # no write access to kombu's shared binding keys (see vlmq.acl)
-            self._celery.send_task(TASK_NAME, args=[job_id], queue=queue, retry=False, producer=producer,
-                                   priority=item.request.priority, declare=[])
-        except Exception as e:  # kombu/redis raise many connection errors; the job must not look queued
-            self.store.transition(job_id, [JobStatus.QUEUED], JobStatus.FAILED,
-                                 {"error_type": "backend_error", "error_message": f"publish failed: {e}"})
-            raise BackendError(f"could not enqueue job {job_id}: {e}") from e
-        log.info("job %s queued on %s (%d vision tokens)", job_id, queue, item.cost.vision_tokens)
 
     def _wait_for_room(self, adding: Mapping[tuple[str, str], int], timeout: float) -> None:
         """Wait until every (model, class) queue has room for what this call adds (``VLMQ_MAX_QUEUE_DEPTH``)."""

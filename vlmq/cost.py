@@ -411,6 +411,16 @@ def estimate_image(
 
 
 _REPORT_HEADER = ("file", "format", "size", "resized", "tiles", "vision_tokens", "patches", "class")
+REPORT_COLUMNS = _REPORT_HEADER
+
+
+def report_rows(paths: Sequence[str], policy: ImagePolicy = ResolutionPolicy(),
+                classes: CostClasses = CostClasses(), limits: ImageLimits | None = None) -> list[tuple[str, ...]]:
+    """The rows of :func:`cost_report` (``REPORT_COLUMNS``); a refused file's class reads ``error: <code>``."""
+    from vlmq.images import ImageLimits
+
+    limits = limits if limits is not None else ImageLimits()
+    return [_report_row(path, policy, classes, limits) for path in paths]
 
 
 def _report_row(path: str, policy: ImagePolicy, classes: CostClasses, limits: ImageLimits) -> tuple[str, ...]:
@@ -452,10 +462,7 @@ def cost_report(
     Returns:
         The table, one header line and one line per path, newline-terminated.
     """
-    from vlmq.images import ImageLimits
-
-    limits = limits if limits is not None else ImageLimits()
-    rows = [_REPORT_HEADER, *(_report_row(path, policy, classes, limits) for path in paths)]
+    rows = [_REPORT_HEADER, *report_rows(paths, policy, classes, limits)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_REPORT_HEADER))]
     numeric = {4, 5, 6}
     lines = []

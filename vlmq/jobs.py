@@ -14,6 +14,7 @@ from vlmq.errors import JobFailed, JobTimeout
 from vlmq.store import JobStatus, JobStore, decode_record, now
 
 __all__ = ["Job", "JobResult", "JobStatus", "decode_record", "new_job_id", "now"]
+WAIT_SLICE = 5.0  # seconds of one blocking wait on the done list (the SDK's Redis socket timeout is 10 s)
 
 
 def new_job_id() -> str:
@@ -106,8 +107,11 @@ class Job:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise JobTimeout(f"job {self.id} still {status.value} after {timeout} s")
-            # woken at once by the worker's final transition; re-read the record every second regardless
-            self._store.wait_done(self.id, min(1.0, left) if left is not None else 1.0)
+            # woken at once by the worker's final transition (no polling); a slice only keeps each blocking
+            # call under the client's socket timeout
+            ended = self._store.wait_done(self.id, min(WAIT_SLICE, left) if left is not None else WAIT_SLICE)
+            if ended == JobStatus.FINISHED.value:  # final once: the record need not be read again
+                return JobResult.from_json(self._store.result_bytes(self.id))
 
     def _final(self, status: JobStatus, record: dict[str, str]) -> JobResult:
         if status is JobStatus.CANCELED:

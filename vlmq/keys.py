@@ -172,6 +172,50 @@ def queue_lists(queue_name: str) -> list[str]:
     return [priority_list(queue_name, p) for p in PRIORITY_STEPS]
 
 
+def wake(queue_name: str) -> str:
+    """List producers push a token onto after publishing to a queue; idle workers ``BLPOP`` it to wake at once.
+
+    Only a latency hint: a lost or stale token costs one empty pop, never a message.
+    """
+    return f"{PREFIX}wake:{queue_name}"
+
+
+def wake_pattern() -> str:
+    """Glob pattern of every wake list."""
+    return wake("*")
+
+
+def new_batch_id(tenant: str | None, base: str) -> str:
+    """The id of a new batch: ``batch_<hex>``, after ``<tenant>.`` for a tenant's batch."""
+    return tenant_job_id(tenant, f"batch_{base}")
+
+
+def batch(batch_id: str) -> str:
+    """Hash with a batch object (status, counts, files). Written by the SDK; the request counters
+    (``n_finished``, ``n_failed``, ``n_canceled``) by every final job transition (``vlmq.store``)."""
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def batch_jobs(batch_id: str) -> str:
+    """List of a batch's job ids in the order of its input lines. Written once by the SDK at submit."""
+    return f"{PREFIX}batch-jobs:{batch_id}"
+
+
+def batch_done(batch_id: str) -> str:
+    """List pushed once when a batch reaches a final status; ``Batch.wait`` blocks on it."""
+    return f"{PREFIX}batch-done:{batch_id}"
+
+
+def batch_lock(batch_id: str) -> str:
+    """``SET NX`` lease held by whoever finalizes a batch (a worker or the SDK); expires if its holder dies."""
+    return f"{PREFIX}batch-lock:{batch_id}"
+
+
+def batch_object(batch_id: str, name: str) -> str:
+    """Storage key of a batch's file (``output.jsonl``, ``errors.jsonl``), under the batch's tenant prefix."""
+    return f"{storage_prefix(tenant_of(batch_id))}batches/{batch_id}/{name}"
+
+
 def dead_letter(queue_name: str) -> str:
     """List of messages the worker's gate refused from one queue (reason + raw bytes); bounded, with a TTL.
 
@@ -199,7 +243,8 @@ def tenant_key_patterns(tenant: str) -> list[str]:
     ``.`` cannot occur in a tenant id, so ``acme.*`` never matches another tenant's ``acme-2.<hex>``.
     """
     ids = tenant_job_id(check_tenant(tenant), "*")
-    return [job(ids), done(ids), canceled(ids), idempotency("*", tenant), deliveries(ids)]
+    return [job(ids), done(ids), canceled(ids), idempotency("*", tenant), deliveries(ids), batch(ids),
+            batch_jobs(ids), batch_done(ids), batch_lock(ids)]
 
 
 def tenant_read_patterns(tenant: str) -> list[str]:

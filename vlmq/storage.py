@@ -166,7 +166,7 @@ class FileStorage(Storage):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            os.fdatasync(f.fileno())  # the data (and the size needed to read it back) is on disk
         return Path(tmp)
 
     def put(self, key: str, data: bytes) -> None:

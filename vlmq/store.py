@@ -60,7 +60,12 @@ def decode_record(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> dict[str, s
 
 # KEYS[1]=job hash, KEYS[2]=done list, KEYS[3] (optional)=flag key set to "1" when the job exists;
 # ARGV[1]=allowed current statuses (comma separated), ARGV[2]=new status, ARGV[3]=ttl seconds (0 = keep the
-# record's TTL), ARGV[4]=1 if the new status is final, ARGV[5]=done-list TTL, ARGV[6..]=field, value pairs.
+# record's TTL), ARGV[4]=1 if the new status is final, ARGV[5]=done-list TTL, ARGV[6]=batch key prefix,
+# ARGV[7]=the batch id prefix of the job's tenant, ARGV[8..]=field, value pairs.
+# A final transition of a batch's job (a record with ``batch_id``) also counts it in its batch hash
+# (``n_<status>``), so each request is counted exactly once, by whoever ended it; only a batch of the job's own
+# tenant is counted, whatever a forged record names (that key is derived from the record: a single-node Redis or
+# Valkey, not Redis Cluster).
 # Returns the previous status, false if the job is missing, or "!<status>" if the transition was refused.
 _TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
@@ -71,11 +76,15 @@ local allowed = false
 for s in string.gmatch(ARGV[1], '[^,]+') do if s == cur then allowed = true end end
 if not allowed then return '!' .. cur end
 redis.call('HSET', KEYS[1], 'status', ARGV[2])
-for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
 if ARGV[4] == '1' then
   redis.call('RPUSH', KEYS[2], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[5])
+  local batch = redis.call('HGET', KEYS[1], 'batch_id')
+  if batch and string.sub(batch, 1, #ARGV[7]) == ARGV[7] and redis.call('EXISTS', ARGV[6] .. batch) == 1 then
+    redis.call('HINCRBY', ARGV[6] .. batch, 'n_' .. ARGV[2], 1)
+  end
 end
 return cur
 """
@@ -100,13 +109,25 @@ def transition(redis: Any, job_id: str, allowed: Iterable[JobStatus], new: JobSt
     Returns:
         (changed, previous status or None if the job does not exist).
     """
+    reply = redis.eval(*transition_args(job_id, allowed, new, fields, ttl, flag_key))
+    return transition_reply(reply)
+
+
+def transition_args(job_id: str, allowed: Iterable[JobStatus], new: JobStatus,
+                    fields: Mapping[str, object] | None = None, ttl: int = 0,
+                    flag_key: str | None = None) -> list[object]:
+    """The ``EVAL`` arguments of :func:`transition` (to queue several in one pipeline)."""
     pairs: list[object] = [f"{new.value}_at", repr(now())]
     for k, v in (fields or {}).items():
         pairs += [k, v]
     allowed_csv = ",".join(s.value for s in allowed)
     job_keys = [keys.job(job_id), keys.done(job_id)] + ([flag_key] if flag_key else [])
-    reply = redis.eval(_TRANSITION, len(job_keys), *job_keys, allowed_csv, new.value, ttl, int(new.is_final),
-                       DONE_TTL, *pairs)
+    return [_TRANSITION, len(job_keys), *job_keys, allowed_csv, new.value, ttl, int(new.is_final), DONE_TTL,
+            keys.batch(""), keys.new_batch_id(keys.tenant_of(job_id), ""), *pairs]
+
+
+def transition_reply(reply: object) -> tuple[bool, str | None]:
+    """:func:`transition`'s result from the script's reply."""
     if reply is None:
         return False, None
     text = reply.decode() if isinstance(reply, bytes) else str(reply)
@@ -189,14 +210,18 @@ class JobStore:
         """:func:`transition` that also refreshes the record's TTL."""
         return self.call(transition, self.redis, self.own(job_id), allowed, new, fields, self.job_ttl)
 
-    def wait_done(self, job_id: str, timeout: float) -> None:
+    def wait_done(self, job_id: str, timeout: float) -> str | None:
         """Block until the job's done list has an entry, or ``timeout`` seconds pass.
 
         The list is rotated onto itself (``BLMOVE`` with one key), so it keeps its entry and its TTL
         for other waiters.
+
+        Returns:
+            The final status the entry names, or None on timeout.
         """
         done = keys.done(self.own(job_id))
-        self.call(self.redis.blmove, done, done, max(timeout, 0.01), "LEFT", "RIGHT")
+        entry = self.call(self.redis.blmove, done, done, max(timeout, 0.01), "LEFT", "RIGHT")
+        return entry.decode() if isinstance(entry, bytes) else entry
 
     def cancel(self, job_id: str) -> bool:
         """Cancel a queued or started job; sets the flag workers check. Nothing is written for an unknown id.
@@ -222,4 +247,5 @@ class JobStore:
         try:
             return self.storage.get(keys.result_object(self.own(job_id)))
         except KeyError as e:
-            raise BackendError(f"job {job_id} is finished but its result object is missing") from e
+            raise BackendError(f"job {job_id} is finished but its result object is missing from {self.storage.url}; "
+                               "producers and workers must share VLMQ_STORAGE_URL") from e

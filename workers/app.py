@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vlmq.batch import finalize_job_batch
 from vlmq.queue import TASK_NAME, make_celery
 from vlmq.settings import Settings
 from vlmq.workers.batcher import HandBack
@@ -31,13 +32,24 @@ def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget, 
     @app.task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)
     def vlmq_run_job(job_id: str) -> str:
         try:
-            return run_job(ctx, job_id)
+            status = run_job(ctx, job_id)
         except HandBack as e:
             # not the job's fault: requeue it unacked for this or another worker
             hand_back(ctx, job_id)
             raise Reject(str(e), requeue=True) from e
+        _finalize_batch(ctx, job_id)
+        return status
 
     return app
+
+
+def _finalize_batch(ctx: WorkerContext, job_id: str) -> None:
+    """The worker that ends a batch's last job writes the batch's files; a failure leaves that to the next
+    finalizer (``Batch.refresh``), never to this job."""
+    try:
+        finalize_job_batch(ctx.redis, ctx.storage, job_id, ctx.settings.job_ttl)
+    except Exception:
+        log.exception("job %s: finalizing its batch failed; the next status read will retry it", job_id)
 
 
 def _hand_back_on_shutdown(settings: Settings, ctx: WorkerContext) -> None:

@@ -222,7 +222,9 @@ def _install_pop(channel: Any, queue_keys: Callable[[Any], list[str]], gate: Mes
         if not popped_from:
             return
         if state["idle"]:
-            command: list[Any] = ["BLPOP", wait_key, min(IDLE_WAIT, timeout) if timeout else IDLE_WAIT]
+            # woken early by a producer's token on the wake list of any queue it pops (vlmq.keys.wake)
+            wake_keys = sorted({keys.wake(k.rsplit(keys.PRIORITY_SEP, 1)[0]) for k in popped_from})
+            command: list[Any] = ["BLPOP", wait_key, *wake_keys, min(IDLE_WAIT, timeout) if timeout else IDLE_WAIT]
         else:
             command = pop_command(popped_from)
         state["sent"] = command[0]

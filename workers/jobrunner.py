@@ -106,7 +106,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     try:
         data = with_storage_retry(ctx, lambda: ctx.storage.get(record["input_key"]))
     except KeyError:
-        raise JobFailed("input_missing", f"input object {record['input_key']} is not in storage") from None
+        raise JobFailed("input_missing", f"input object {record['input_key']} is not in this worker's storage "
+                        f"({ctx.storage.url}); producers and workers must share VLMQ_STORAGE_URL") from None
     t1 = time.monotonic()
     try:
         image = decode(data, ctx.limits)

@@ -84,11 +84,14 @@ def test_kombu_stores_the_routing_key_in_the_form_the_drain_script_rewrites(redi
     from PIL import Image
 
     from vlmq.client import Client
+    from vlmq.queue import make_celery
 
     own = keys.worker_queue("tiny-shapes", "xs", "w1")
     buf = io.BytesIO()
     Image.new("RGB", (32, 32)).save(buf, "PNG")
     with Client(redis_url, f"file://{tmp_path}") as client:
-        client._celery.send_task("vlmq.run_job", args=["0" * 32], queue=own, declare=[])
+        app = make_celery(client.settings)  # kombu's own writer: restores of unacked messages write this form
+        app.send_task("vlmq.run_job", args=["0" * 32], queue=own, declare=[])
+        app.close()
     raw = redis_client.rpop(own).decode()
     assert f'"routing_key": {json.dumps(own)}' in raw

@@ -31,8 +31,8 @@ from vlmq import acl, keys
 from vlmq.client import Client
 from vlmq.errors import BackendError, InvalidRequest, JobFailed, JobNotFound
 from vlmq.jobs import Job, JobStatus
-from vlmq.queue import TASK_NAME
 from vlmq.settings import Settings
+from vlmq.wire import MessageWriter, list_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TENANTS = ("acme", "bob")
@@ -204,7 +204,9 @@ def test_a_forged_record_cannot_make_the_worker_serve_another_tenants_input(pool
         record = {k: v for k, v in record.items() if not k.endswith("_at") or k in ("created_at", "queued_at")}
         acme.redis.hset(keys.job(forged_id), mapping=record)  # the tenant's credentials allow its own records
         acme.redis.expire(keys.job(forged_id), 600)
-        acme._celery.send_task(TASK_NAME, args=[forged_id], queue=record["queue"], declare=[])
+        priority = int(record["priority"])  # published as the SDK does (vlmq.wire), with the tenant's credentials
+        acme.redis.lpush(list_for(record["queue"], priority), MessageWriter().message(forged_id, record["queue"],
+                                                                                      priority))
         with pytest.raises(JobFailed) as err:
             acme.job(forged_id).result(timeout=300)
         assert err.value.error_type == "bad_input_key" and not err.value.retryable

@@ -1,0 +1,191 @@
+"""Batch files in the OpenAI Batch format against a real Redis-compatible server and file storage (no worker)."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from vlmq import keys
+from vlmq.batch import BatchInvalid, BatchStatus
+from vlmq.client import Client
+from vlmq.errors import InvalidRequest
+from vlmq.jobs import JobStatus
+
+
+def png(width: int = 64, height: int = 48) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 40, 40)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def line(custom_id: str, image: str, text: str = "How many shapes?", **body: object) -> str:
+    content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": image}}]
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "tiny-shapes", "messages": [{"role": "user", "content": content}],
+                                "max_tokens": 4, **body}})
+
+
+@pytest.fixture
+def client(redis_client: object, redis_url: str, tmp_path: Path) -> Client:
+    with Client(redis_url, f"file://{tmp_path / 'store'}") as c:
+        yield c
+
+
+def queued(client: Client) -> int:
+    return sum(client.queue_depth("tiny-shapes", c) for c in ("xs", "s", "m", "l", "xl"))
+
+
+# OpenAI's documented batch input example (platform.openai.com/docs/guides/batch), byte for byte, with its user
+# message given as text and image_url parts and its model named tiny-shapes
+OPENAI_EXAMPLE = (
+    '{"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny-shapes", '
+    '"messages": [{"role": "system", "content": "You are a helpful assistant."},{"role": "user", "content": '
+    '[{"type": "text", "text": "Hello world!"}, {"type": "image_url", "image_url": {"url": "IMAGE", '
+    '"detail": "low"}}]}],"max_tokens": 1000}}\n'
+    '{"custom_id": "request-2", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny-shapes", '
+    '"messages": [{"role": "system", "content": "You are an unhelpful assistant."},{"role": "user", "content": '
+    '[{"type": "text", "text": "Hello world!"}, {"type": "image_url", "image_url": {"url": "IMAGE", '
+    '"detail": "low"}}]}],"max_tokens": 1000}}\n'
+)
+
+
+def test_openai_documented_example_is_accepted(client: Client, tmp_path: Path) -> None:
+    path = tmp_path / "batchinput.jsonl"
+    path.write_text(OPENAI_EXAMPLE.replace("IMAGE", data_url(png())))
+    batch = client.submit_batch(path)
+    obj = batch.refresh()
+    assert obj["status"] == "in_progress" and obj["object"] == "batch"
+    assert obj["request_counts"] == {"total": 2, "completed": 0, "failed": 0, "cancelled": 0}
+    assert obj["expires_at"] - obj["created_at"] == 24 * 3600 and obj["endpoint"] == "/v1/chat/completions"
+    records = [client.job(j.decode()).info() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
+    assert [r["custom_id"] for r in records] == ["request-1", "request-2"]
+    assert records[0]["prompt"] == "You are a helpful assistant.\n\nHello world!"
+    assert records[1]["max_new_tokens"] == "1000" and records[1]["batch_id"] == batch.id
+    assert queued(client) == 2
+
+
+def test_every_bad_line_is_refused_with_its_number_and_nothing_is_enqueued(client: Client, tmp_path: Path) -> None:
+    image = tmp_path / "img.png"
+    image.write_bytes(png())
+    good = [line(f"ok-{i}", "img.png" if i % 2 else data_url(png(40 + i, 40))) for i in range(20)]
+    bad = [
+        "{not json", json.dumps([1, 2]), line("", "img.png"), line("x1", "img.png").replace('"POST"', '"GET"'),
+        line("x2", "img.png").replace("/v1/chat/completions", "/v1/embeddings"),
+        line("x3", "https://example.com/cat.png"), line("x4", "http://169.254.169.254/latest"),
+        line("x5", "missing.png"), line("x6", "data:image/png;base64,!!!"), line("x7", "img.png", max_tokens=0),
+        line("x8", "img.png", max_tokens=10**6), line("x9", "img.png", text="<|image_pad|>"),
+        line("ok-3", "img.png"),  # a custom_id used by an earlier line
+        line("x10", "img.png").replace('"tiny-shapes"', '"gpt-4o"'), line("x11", "img.png", n=2),
+        line("x12", "img.png", tools=[]), line("x13", "s3://elsewhere/cat.png"),
+        line("x14", data_url(b"GIF89a not really")),
+        json.dumps({"custom_id": "x15", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": "tiny-shapes", "messages": [{"role": "user", "content": "no image"}]}}),
+        json.dumps({"custom_id": "x16", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": "tiny-shapes", "messages": [{"role": "assistant", "content": "hi"}]}}),
+    ]
+    assert len(bad) == 20
+    lines = good[:10] + bad[:10] + [""] + good[10:] + bad[10:]  # a blank line is skipped but counted
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(BatchInvalid) as err:
+        client.submit_batch(path)
+    expected = list(range(11, 21)) + list(range(32, 42))
+    assert [e.line for e in err.value.errors] == expected
+    assert "line 11: bad_json" in str(err.value) and "line 16: bad_image_source" in str(err.value)
+    codes = {e.line: e.code for e in err.value.errors}
+    assert codes[14] == "bad_method" and codes[17] == "bad_image_source" and codes[18] == "image_not_found"
+    assert codes[34] == "duplicate_custom_id" and codes[35] == "unknown_model" and codes[38] == "bad_image_source"
+    assert codes[40] == "image_count" and codes[41] == "bad_messages", codes
+    assert queued(client) == 0 and not client.redis.keys(keys.job("*"))
+    failed = client.batch(err.value.batch_id).refresh()
+    assert failed["status"] == "failed" and [e["line"] for e in failed["errors"]["data"]] == expected
+
+
+def test_cancel_stops_every_queued_request_with_consistent_counts(client: Client, tmp_path: Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(line(f"r{i}", data_url(png(40 + i, 40))) + "\n" for i in range(30)))
+    batch = client.submit_batch(path, completion_window="1h")
+    obj = batch.cancel()
+    assert obj["status"] == "cancelled" and obj["cancelled_at"] >= obj["cancelling_at"]
+    assert obj["request_counts"] == {"total": 30, "completed": 0, "failed": 30, "cancelled": 30}
+    assert batch.download("output") == b""
+    errors = [json.loads(x) for x in batch.download("error").splitlines()]
+    assert [e["custom_id"] for e in errors] == [f"r{i}" for i in range(30)]
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"} and all(e["response"] is None for e in errors)
+    job_ids = [j.decode() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
+    assert all(client.job(j).status() is JobStatus.CANCELED for j in job_ids)
+    assert batch.cancel()["status"] == "cancelled"  # a second cancel changes nothing
+
+
+def test_a_batch_past_its_window_expires_with_its_requests_cancelled(client: Client, tmp_path: Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    path.write_text(line("only", data_url(png())) + "\n")
+    batch = client.submit_batch(path, completion_window="1s")
+    client.redis.hset(keys.batch(batch.id), "expires_at", "0")  # the window has passed
+    assert batch.status() is BatchStatus.EXPIRED
+    [error] = [json.loads(x) for x in batch.download("error").splitlines()]
+    assert error["custom_id"] == "only" and error["error"]["code"] == "batch_expired"
+
+
+def test_a_job_counts_only_in_a_batch_of_its_own_tenant(client: Client, tmp_path: Path) -> None:
+    from vlmq import records
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text(line("only", data_url(png())) + "\n")
+    batch = client.submit_batch(path)
+    forged = "acme." + "f" * 32  # another tenant's job whose record names this batch
+    client.redis.hset(keys.job(forged), mapping={"id": forged, "status": "queued", "batch_id": batch.id})
+    client.redis.expire(keys.job(forged), 60)
+    assert records.transition(client.redis, forged, [JobStatus.QUEUED], JobStatus.FAILED)[0]
+    assert batch.refresh()["request_counts"]["failed"] == 0
+    [own] = [j.decode() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
+    assert records.transition(client.redis, own, [JobStatus.QUEUED], JobStatus.FAILED)[0]
+    assert batch.refresh()["request_counts"] == {"total": 1, "completed": 0, "failed": 1, "cancelled": 0}
+    assert batch.status() is BatchStatus.COMPLETED  # finalized by the status read: every request ended
+
+
+def test_a_tenants_acl_user_submits_cancels_and_finalizes_its_batch(redis_client, redis_url: str,
+                                                                     tmp_path: Path) -> None:
+    from vlmq import acl
+
+    user = acl.tenant_user("acme")
+    redis_client.execute_command("ACL", "SETUSER", *acl.setuser_args(user, "pw", acl.tenant_rules("acme")))
+    try:
+        path = tmp_path / "requests.jsonl"
+        path.write_text(line("a", data_url(png())) + "\n" + line("b", data_url(png(80, 40))) + "\n")
+        with Client(redis_url.replace("redis://", f"redis://{user}:pw@"), f"file://{tmp_path / 'store'}",
+                    tenant="acme") as client:
+            batch = client.submit_batch(path)
+            assert batch.id.startswith("acme.batch_") and queued(client) == 2
+            assert batch.cancel()["status"] == "cancelled"
+            assert len(batch.download("error").splitlines()) == 2
+            assert (tmp_path / "store" / keys.batch_object(batch.id, "errors.jsonl")).is_file()
+    finally:
+        redis_client.execute_command("ACL", "DELUSER", user)
+
+
+def test_a_batch_with_a_webhook_queues_one_batch_completed_event_when_it_ends(client: Client, tmp_path: Path) -> None:
+    from vlmq import webhooks
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text(line("a", data_url(png())) + "\n")
+    with pytest.raises(InvalidRequest) as err:
+        client.submit_batch(path, webhook="http://169.254.169.254/latest")
+    assert err.value.code == "bad_webhook"
+    batch = client.submit_batch(path, webhook="https://1.1.1.1/hooks/vlmq")
+    [job_id] = [j.decode() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
+    assert client.job(job_id).info()["webhook"] == ""  # its requests send no job events of their own
+    assert batch.cancel()["status"] == "cancelled"
+    event = client.redis.hgetall(keys.webhook_event(webhooks.event_id("batch.completed", batch.id)))
+    assert event[b"type"] == b"batch.completed" and event[b"url"] == b"https://1.1.1.1/hooks/vlmq"
+    data = json.loads(event[b"data"])
+    assert data["id"] == batch.id and data["status"] == "cancelled" and data["request_counts"]["failed"] == 1
+    client.redis.delete(keys.webhook_due())  # no delivery worker runs here to take the event

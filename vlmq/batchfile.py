@@ -1,0 +1,161 @@
+"""Batch input files in the OpenAI Batch format: one chat-completions request per JSONL line.
+
+A line looks like::
+
+    {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "tiny-shapes", "max_tokens": 32, "messages": [
+         {"role": "system", "content": "You are a helpful assistant."},
+         {"role": "user", "content": [{"type": "text", "text": "How many shapes?"},
+                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}]}}
+
+Each request names exactly one image (an ``image_url`` part): a ``data:`` URL, an ``s3://`` URI in the pool's
+storage, a ``file://`` URL or a local path (relative paths are read from the batch file's folder). Nothing is
+fetched from the network. The text of system and user messages, in order, is the job's prompt. Decoding is
+greedy: sampling parameters (``temperature``, ``top_p``, ``seed``, ...) are accepted and not applied.
+Parsing here is pure (no I/O besides the file itself); ``Client.submit_batch`` then loads and prices each image.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmq.errors import InvalidRequest
+
+ENDPOINT = "/v1/chat/completions"
+MAX_CUSTOM_ID_CHARS = 512
+# body fields accepted and not applied (vlmq decodes greedily, one answer per request)
+IGNORED_BODY_FIELDS = frozenset({"temperature", "top_p", "seed", "user", "metadata", "store", "service_tier",
+                                 "frequency_penalty", "presence_penalty", "stop", "logprobs", "top_logprobs"})
+_BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "n", "stream"})
+_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLine:
+    """One request of a batch file, parsed (its image not yet loaded).
+
+    Attributes:
+        line: 1-based line number in the file.
+        custom_id: the caller's id, copied to the output and error files.
+        model: the ``body.model``.
+        prompt: the text parts of the messages, joined by blank lines.
+        image: the image reference (``data:`` URL, ``s3://`` URI, ``file://`` URL or an absolute path).
+        max_new_tokens: ``max_completion_tokens`` or ``max_tokens`` (None: the client's default).
+    """
+
+    line: int
+    custom_id: str
+    model: str
+    prompt: str
+    image: str
+    max_new_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LineError:
+    """Why one line of a batch file was refused."""
+
+    line: int
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.code}: {self.message}"
+
+
+def read_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSONL file with their 1-based numbers."""
+    with open(path, encoding="utf-8") as f:
+        for number, text in enumerate(f, 1):
+            if text.strip():
+                yield number, text
+
+
+def parse_line(number: int, text: str, base_dir: Path) -> BatchLine:
+    """Parse one line; relative image paths are resolved against ``base_dir``.
+
+    Raises:
+        InvalidRequest: the line is not a valid request (``code`` says which rule).
+    """
+    try:
+        item = json.loads(text)
+    except ValueError as e:
+        raise InvalidRequest(f"not JSON: {e}", code="bad_json") from None
+    if not isinstance(item, dict):
+        raise InvalidRequest("a line must be a JSON object", code="bad_line")
+    unknown = sorted(set(item) - {"custom_id", "method", "url", "body"})
+    if unknown:
+        raise InvalidRequest(f"unknown field(s) {', '.join(unknown)}", code="unknown_field")
+    custom_id = item.get("custom_id")
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
+        raise InvalidRequest(f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters",
+                             code="bad_custom_id")
+    if item.get("method") != "POST":
+        raise InvalidRequest(f"method must be \"POST\", got {item.get('method')!r}", code="bad_method")
+    if item.get("url") != ENDPOINT:
+        raise InvalidRequest(f"url must be {ENDPOINT!r}, got {item.get('url')!r}", code="bad_url")
+    body = item.get("body")
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be an object", code="bad_body")
+    return _parse_body(number, custom_id, body, base_dir)
+
+
+def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Path) -> BatchLine:
+    unknown = sorted(set(body) - _BODY_FIELDS - IGNORED_BODY_FIELDS)
+    if unknown:
+        raise InvalidRequest(f"body field(s) {', '.join(unknown)} are not supported", code="unsupported_field")
+    if not isinstance(body.get("model"), str):
+        raise InvalidRequest("body.model must be a string", code="bad_model")
+    if body.get("n", 1) != 1 or body.get("stream", False) is not False:
+        raise InvalidRequest("n must be 1 and stream false (one answer per request)", code="unsupported_field")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None and (type(limit) is not int or limit < 1):
+        raise InvalidRequest(f"max_tokens must be a positive integer, got {limit!r}", code="bad_max_new_tokens")
+    texts, images = _parts(body.get("messages"))
+    if len(images) != 1:
+        raise InvalidRequest(f"a request needs exactly one image_url part, found {len(images)}",
+                             code="image_count")
+    return BatchLine(number, custom_id, body["model"], "\n\n".join(texts), _image_ref(images[0], base_dir),
+                     limit)
+
+
+def _parts(messages: object) -> tuple[list[str], list[str]]:
+    """The text parts and the image URLs of the messages."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("body.messages must be a non-empty list", code="bad_messages")
+    texts: list[str] = []
+    images: list[str] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user"):
+            raise InvalidRequest(f"messages[{i}] must be a system, developer or user message", code="bad_messages")
+        content = message.get("content")
+        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content or [None]:
+            _part(part, i, texts, images)
+    return texts, images
+
+
+def _part(part: object, i: int, texts: list[str], images: list[str]) -> None:
+    if not isinstance(part, dict):
+        raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts", code="bad_messages")
+    if part.get("type") == "text" and isinstance(part.get("text"), str):
+        texts.append(part["text"])
+    elif part.get("type") == "image_url" and isinstance(part.get("image_url"), dict) \
+            and isinstance(part["image_url"].get("url"), str):
+        images.append(part["image_url"]["url"])
+    else:
+        raise InvalidRequest(f"messages[{i}] has a part that is neither text nor image_url {{url}}",
+                             code="bad_messages")
+
+
+def _image_ref(url: str, base_dir: Path) -> str:
+    lowered = url[:8].lower()
+    if lowered.startswith(("data:", "s3://", "file://")):
+        return url
+    if _SCHEME.match(url):
+        raise InvalidRequest(f"image_url {url[:60]!r}: workers never fetch from the network; use a data: URL, an "
+                             "s3:// URI in the pool's storage or a local path", code="bad_image_source")
+    return str(base_dir / url) if url else url

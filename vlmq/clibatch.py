@@ -1,0 +1,103 @@
+"""``vlmq batch submit|status|wait|download|cancel``: batch files in the OpenAI Batch format."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vlmq.cliformat import batch_lines, emit
+
+ClientFactory = Callable[[argparse.Namespace], Any]
+
+
+def _ended_well(batch: dict[str, Any]) -> bool:
+    return bool(batch["status"] == "completed" and batch["request_counts"]["failed"] == 0)
+
+
+def _submit(args: argparse.Namespace, client_of: ClientFactory) -> int:
+    with client_of(args) as client:
+        batch = client.submit_batch(args.file, completion_window=args.completion_window, priority=args.priority,
+                                    max_new_tokens=args.max_tokens, webhook=args.webhook)
+        if args.wait:
+            return _follow(batch, args)
+        emit(batch.refresh(), args.json, [batch.id] if not args.json else None)
+    return 0
+
+
+def _status(args: argparse.Namespace, client_of: ClientFactory, cancel: bool = False) -> int:
+    with client_of(args) as client:
+        handle = client.batch(args.batch_id)
+        batch = handle.cancel() if cancel else handle.refresh()
+        emit(batch, args.json, batch_lines(batch))
+    return 0
+
+
+def _follow(batch: Any, args: argparse.Namespace) -> int:
+    """Wait with a progress bar on stderr; exit 1 unless every request completed."""
+    from tqdm import tqdm
+
+    with tqdm(desc=batch.id, unit="req", file=sys.stderr, disable=args.json or None) as bar:
+        def progress(obj: dict[str, Any]) -> None:
+            c = obj["request_counts"]
+            bar.total = c["total"]
+            bar.n = c["completed"] + c["failed"]
+            bar.set_postfix(status=obj["status"], failed=c["failed"], refresh=False)
+            bar.refresh()
+
+        obj = batch.wait(timeout=args.timeout, on_progress=progress)
+    emit(obj, args.json, batch_lines(obj))
+    return 0 if _ended_well(obj) else 1
+
+
+def _wait(args: argparse.Namespace, client_of: ClientFactory) -> int:
+    with client_of(args) as client:
+        return _follow(client.batch(args.batch_id), args)
+
+
+def _download(args: argparse.Namespace, client_of: ClientFactory) -> int:
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with client_of(args) as client:
+        batch = client.batch(args.batch_id)
+        for which, name in (("output", "output.jsonl"), ("error", "errors.jsonl")):
+            path = out_dir / f"{batch.id}_{name}"
+            data = batch.download(which)
+            path.write_bytes(data)
+            lines = data.count(b"\n")
+            print(f"{path} ({lines} lines)")
+    return 0
+
+
+def _cancel(args: argparse.Namespace, client_of: ClientFactory) -> int:
+    return _status(args, client_of, cancel=True)
+
+
+def add_batch(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser,
+              client_of: ClientFactory) -> None:
+    """The ``batch`` command group."""
+    group = sub.add_parser("batch", parents=[common], help="batch files in the OpenAI Batch format (JSONL)",
+                           description="Submit and follow batch files: one /v1/chat/completions request with one "
+                                       "image_url part per line; output and error files in OpenAI's format.")
+    commands = group.add_subparsers(dest="batch_command", required=True)
+    p = commands.add_parser("submit", parents=[common], help="validate every line, then enqueue them all")
+    p.add_argument("file")
+    p.add_argument("--completion-window", default="24h", help="e.g. 24h, 90m (default 24h)")
+    p.add_argument("--priority", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=128, help="for lines without max_tokens (default 128)")
+    p.add_argument("--webhook", help="http(s) URL sent batch.completed when it ends (default VLMQ_WEBHOOK_URL)")
+    p.add_argument("--wait", action="store_true", help="follow it to the end (exit 1 if any request failed)")
+    p.add_argument("--timeout", type=float, default=None)
+    p.set_defaults(func=lambda a: _submit(a, client_of))
+    for name, func, text in (("status", _status, "print a batch"),
+                             ("wait", _wait, "follow a batch with a progress bar; exit 1 if any request failed"),
+                             ("download", _download, "write a batch's output and error files"),
+                             ("cancel", _cancel, "cancel a batch (queued requests never run)")):
+        p = commands.add_parser(name, parents=[common], help=text)
+        p.add_argument("batch_id")
+        if name == "wait":
+            p.add_argument("--timeout", type=float, default=None, help="seconds (default: no limit)")
+        if name == "download":
+            p.add_argument("--output-dir", default=".", help="folder for <id>_output.jsonl and <id>_errors.jsonl")
+        p.set_defaults(func=lambda a, f=func: f(a, client_of))
