@@ -20,13 +20,12 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from enum import Enum
 from typing import Any
 
 from vlmq import keys
 from vlmq.errors import InvalidRequest, JobNotFound, JobTimeout
 from vlmq.storage import Storage
-from vlmq.store import JobStatus, JobStore, decode_record, now, transition_args, transition_reply
+from vlmq.store import JobStatus, JobStore, WireEnum, decode_record, now, transition_args, transition_reply
 
 log = logging.getLogger(__name__)
 LOCK_TTL = 300  # seconds a finalizer's lease lasts; a dead finalizer's batch is taken over after it
@@ -35,7 +34,7 @@ _WINDOW = re.compile(r"([1-9][0-9]*)([smhd])")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-class BatchStatus(str, Enum):
+class BatchStatus(WireEnum):
     """Lifecycle of a batch (OpenAI Batch API values)."""
 
     VALIDATING = "validating"
@@ -46,9 +45,6 @@ class BatchStatus(str, Enum):
     EXPIRED = "expired"
     CANCELLING = "cancelling"
     CANCELLED = "cancelled"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def is_final(self) -> bool:

@@ -12,6 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from vlmq import keys
+from vlmq.fleet import read_hashes
 from vlmq.storage import Storage
 
 _TEXT_FIELDS = ("model", "classes", "own_queue_classes", "at")  # the rest of a heartbeat hash are integer counters
@@ -23,16 +24,8 @@ def _text(value: bytes | str) -> str:
 
 def worker_stats(redis: Any) -> dict[str, dict[str, Any]]:
     """The heartbeat hash of every live worker: slug -> fields (counters as ints)."""
-    names = [_text(k) for k in redis.scan_iter(match=f"{keys.WORKER_STATS}*", count=500)]
-    pipe = redis.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(name)
-    out = {}
-    for name, fields in zip(names, pipe.execute(), strict=True):
-        if fields:
-            out[name.removeprefix(keys.WORKER_STATS)] = {_text(k): _field(_text(k), _text(v))
-                                                              for k, v in fields.items()}
-    return out
+    return {slug: {k: _field(k, v) for k, v in fields.items()}
+            for slug, fields in read_hashes(redis, keys.WORKER_STATS).items()}
 
 
 def _field(name: str, value: str) -> Any:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmq import keys
+from vlmq.store import decode_record
 
 
 @dataclass(slots=True)
@@ -74,19 +75,18 @@ def _ages(redis: Any, job_ids: Sequence[str], now: float) -> list[float]:
     return [max(0.0, now - float(at)) for at in pipe.execute() if at]
 
 
-def worker_statuses(redis: Any) -> dict[str, dict[str, str]]:
-    """Every live worker's status hash (``keys.worker_status``), by worker name."""
-    prefix = keys.worker_status("")
-    names = sorted(k.decode() if isinstance(k, bytes) else k for k in redis.scan_iter(match=f"{prefix}*"))
+def read_hashes(redis: Any, prefix: str) -> dict[str, dict[str, str]]:
+    """Every hash whose key starts with ``prefix``, by the rest of its key (as text), in key order."""
+    names = sorted(k.decode() if isinstance(k, bytes) else k for k in redis.scan_iter(match=f"{prefix}*", count=500))
     pipe = redis.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(name)
-    out = {}
-    for name, raw in zip(names, pipe.execute(), strict=True):
-        if raw:
-            out[name[len(prefix):]] = {(k.decode() if isinstance(k, bytes) else k):
-                                       (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
-    return out
+    return {name[len(prefix):]: decode_record(raw) for name, raw in zip(names, pipe.execute(), strict=True) if raw}
+
+
+def worker_statuses(redis: Any) -> dict[str, dict[str, str]]:
+    """Every live worker's status hash (``keys.worker_status``), by worker name."""
+    return read_hashes(redis, keys.worker_status(""))
 
 
 def _rate(now: Mapping[str, str], before: Mapping[str, str] | None, name: str) -> str:

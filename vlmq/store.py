@@ -26,20 +26,24 @@ T = TypeVar("T")
 DONE_TTL = 600  # seconds a done list wakes waiters; after that they find the final status by reading the record
 
 
-class JobStatus(str, Enum):
-    """Lifecycle of a job as users see it (lowercase wire values; ``str()`` gives the value)."""
+class WireEnum(str, Enum):
+    """A status with a lowercase wire value: ``str()`` and formatting give it (``queued``, not ``JobStatus.QUEUED``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class JobStatus(WireEnum):
+    """Lifecycle of a job as users see it."""
 
     QUEUED = "queued"
     STARTED = "started"
     FINISHED = "finished"
     FAILED = "failed"
     CANCELED = "canceled"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
     @property
     def is_final(self) -> bool:
