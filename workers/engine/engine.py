@@ -32,8 +32,10 @@ from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .kv_budget import kv_cache_num_blocks
 from .model_runner import ModelRunner
 from .preprocess import ImagePreprocessor
+from .proposers import Proposer, make_proposer
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence
+from .spec_decode import AdaptiveK, SpecConfig, SpecStats
 
 __all__ = ["Engine", "EngineStats", "Request", "RequestOutput", "default_model_id"]
 
@@ -56,6 +58,7 @@ class EngineStats:
     encoder_cache_misses: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefix_cache_query_tokens: int = 0
+    speculative: SpecStats = field(default_factory=SpecStats)  # proposals, acceptance, tokens per target forward
     # seconds per phase of step(); "wait_preprocess" is time the step loop waited for preprocessing
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("wait_preprocess", "schedule", "execute", "update"), 0.0))
@@ -64,9 +67,11 @@ class EngineStats:
 class Engine:
     def __init__(self, model, processor, config: EngineConfig, *, device: str | torch.device = "cpu",
                  model_id: str = "model", eos_token_ids: tuple[int, ...] = (), share_encoder_outputs: bool = True,
-                 num_preprocess_threads: int = 1) -> None:
+                 num_preprocess_threads: int = 1, proposer: Proposer | None = None,
+                 spec_config: SpecConfig | None = None) -> None:
         self._args = (model, processor, config, dict(device=device, model_id=model_id, eos_token_ids=eos_token_ids,
-                      share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads))
+                      share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads,
+                      proposer=proposer, spec_config=spec_config))
         self.config = config
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config, self.scheduler.encoder_cache, device)
@@ -81,14 +86,24 @@ class Engine:
         self._meta: dict[str, RequestOutput] = {}  # request_id -> output being filled
         self._done: list[RequestOutput] = []  # finished since the last step() returned
         self._num_added = 0
+        self.proposer = proposer  # speculative decoding (None: off)
+        if proposer is not None:
+            proposer.reset()
+            cfg = spec_config
+            self.adaptive_k = AdaptiveK(cfg.max_k, cfg.max_batch, cfg.cost_per_token) if cfg else AdaptiveK()
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", *,
                        dtype: torch.dtype | None = None, model_id: str | None = None,
                        share_encoder_outputs: bool = True, num_preprocess_threads: int = 1,
                        kv_cache_bytes: int | None = None, kv_cache_memory_fraction: float | None = None,
-                       max_model_len: int | None = None, **config: Any) -> Engine:
+                       max_model_len: int | None = None, speculative: str | SpecConfig | None = None,
+                       **config: Any) -> Engine:
         """Load model, processor and generation config; `config` holds EngineConfig fields.
+
+        speculative: "ngram", "draft:<path>" (a text-only causal LM with the same tokenizer) or "head" (the
+        model folder's `spec-head`), or a SpecConfig; None: off.
 
         The KV cache has `num_blocks` blocks, or as many as fit in `kv_cache_bytes`, or (CUDA only) in
         `kv_cache_memory_fraction` of the device memory free once the weights are loaded; a budget must hold
@@ -112,10 +127,13 @@ class Engine:
                                              kv_cache_memory_fraction, max_model_len)
             engine_config = replace(engine_config, num_blocks=num_blocks)
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        spec = SpecConfig(speculative) if isinstance(speculative, str) else speculative
+        proposer = make_proposer(spec.method, model_dir, model, engine_config, device, dtype) if spec else None
         return cls(model, processor, engine_config, device=device,
                    model_id=model_id or default_model_id(model_dir),
                    eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-                   share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads)
+                   share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads,
+                   proposer=proposer, spec_config=spec)
 
     def add_request(self, request: Request, request_id: str | None = None) -> str:
         request_id = request_id if request_id is not None else f"req-{self._num_added}"
@@ -159,12 +177,15 @@ class Engine:
         self._admit()
         t1 = time.perf_counter()
         if self.scheduler.has_unfinished:
+            self._propose()
             out = self.scheduler.schedule()
             t2 = time.perf_counter()
-            runner_out = self.runner.execute(out)
+            runner_out = self.runner.execute(out, self._draft_probs)
             t3 = time.perf_counter()
+            before = {s.seq_id: s.seq.num_completion_tokens for s in out.scheduled if s.sample and not s.is_prefill}
             finished = self.scheduler.update(runner_out)
             self._after_step(out, finished, t3)
+            self._count_speculation(out, runner_out, before)
             marks = (t0, t1, t2, t3, time.perf_counter())
             for name, a, b in zip(self.stats.timings, marks[:-1], marks[1:], strict=True):
                 self.stats.timings[name] += b - a
@@ -208,6 +229,35 @@ class Engine:
         meta = self._meta[seq.seq_id]
         meta.prompt_tokens, meta.image_tokens = seq.num_prompt_tokens, sum(img.num_tokens for img in seq.images)
 
+    def _propose(self) -> None:
+        # proposals for this step's decodes; the scheduler keeps those that fit, the runner verifies them
+        self._draft_probs = {}
+        if self.proposer is None:
+            return
+        decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
+        ks = [self.adaptive_k.k_for(s.seq_id, len(decodes), s.sampling.max_new_tokens - s.num_completion_tokens)
+              for s in decodes]
+        chosen = [(s, k) for s, k in zip(decodes, ks, strict=True) if k > 0]
+        if not chosen:
+            return
+        proposals = self.proposer.propose([s for s, _ in chosen], [k for _, k in chosen])
+        for (seq, _), p in zip(chosen, proposals, strict=True):
+            seq.spec_token_ids = p.token_ids
+            if p.probs is not None and p.token_ids:
+                self._draft_probs[seq.seq_id] = p.probs
+
+    def _count_speculation(self, out, runner_out, before: dict) -> None:
+        st = self.stats.speculative
+        for s in out.scheduled:
+            if s.seq_id in before:
+                accepted = len(runner_out.more_token_ids.get(s.seq_id, ()))
+                st.num_decode_forwards += 1
+                st.num_decode_tokens += s.seq.num_completion_tokens - before[s.seq_id]  # past an eos: not emitted
+                st.num_proposed += s.num_spec_tokens
+                st.num_accepted += accepted
+                if self.proposer is not None:
+                    self.adaptive_k.observe(s.seq_id, s.num_spec_tokens, accepted)
+
     def _after_step(self, out, finished: list[Sequence], now: float) -> None:
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted_seq_ids)
@@ -226,6 +276,9 @@ class Engine:
     def _finish(self, request_id: str, reason: FinishReason, seq: Sequence | None = None,
                 error: Exception | None = None) -> None:
         out = self._meta.pop(request_id)
+        if self.proposer is not None:
+            self.proposer.drop(request_id)
+            self.adaptive_k.forget(request_id)
         ids = seq.completion_token_ids if seq is not None else []
         if reason is FinishReason.STOP and ids and ids[-1] in self.eos_token_ids:
             ids = ids[:-1]
