@@ -18,9 +18,11 @@ from vlmq.errors import InvalidRequest
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.backends.engine import EngineBackend
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
+from vlmq.workers.engine.spec_decode import SpecConfig
 from vlmq.workers.models.processor import load_processor, render_prompt
 
 TARGET = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
+DRAFT = TARGET.parent / "tiny-shapes-draft"
 TEST_SEED = 9  # held out from training (see the model's README)
 MAX_NEW = 32
 NUM_FRESH, NUM_SAME_IMAGE, NUM_REPEATS = 80, 14, 6
@@ -156,6 +158,21 @@ def test_preemption_keeps_outputs_identical(model_dir, workload, reference):
     outputs = engine.generate([Request(img, q, MAX_NEW) for img, q in small], prepare_all_first=True)
     assert engine.stats.num_preemptions > 0  # the budget really was too small for the batch
     check_outputs(outputs, small, reference)
+    engine.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", f"draft:{DRAFT}"], ids=["ngram", "draft"])
+def test_speculative_greedy_equals_transformers_with_caches_and_preemption(model_dir, workload, reference, method):
+    """Proposals verified in (k+1)-token chunks change no token: the whole workload, prefix and encoder caches on,
+    a KV budget that forces preemption, proposals at every batch size (max_batch above the batch)."""
+    engine = Engine.from_model_dir(model_dir, num_blocks=48, speculative=SpecConfig(method, max_batch=64))
+    outputs = run_continuous(engine, [Request(img, q, MAX_NEW) for img, q in workload], first=40, per_step=3)
+    check_outputs(outputs, workload, reference)
+    stats, spec = engine.stats, engine.stats.speculative
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert spec.num_proposed > spec.num_accepted > 0 and spec.tokens_per_forward > 1
+    free = engine.scheduler.block_manager.num_free_blocks
+    assert free == engine.config.num_blocks  # every block back, rejected proposals' included
     engine.close()
 
 

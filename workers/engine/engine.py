@@ -180,7 +180,7 @@ class Engine:
             self._propose()
             out = self.scheduler.schedule()
             t2 = time.perf_counter()
-            runner_out = self.runner.execute(out, self._draft_probs)
+            runner_out = self.runner.execute(out, self._draft_probs) if self._draft_probs else self.runner.execute(out)
             t3 = time.perf_counter()
             before = {s.seq_id: s.seq.num_completion_tokens for s in out.scheduled if s.sample and not s.is_prefill}
             finished = self.scheduler.update(runner_out)
@@ -235,6 +235,8 @@ class Engine:
         if self.proposer is None:
             return
         decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
+        for seq in decodes:
+            seq.spec_token_ids = []  # proposals live for one step (with their laws in self._draft_probs)
         ks = [self.adaptive_k.k_for(s.seq_id, len(decodes), s.sampling.max_new_tokens - s.num_completion_tokens)
               for s in decodes]
         chosen = [(s, k) for s, k in zip(decodes, ks, strict=True) if k > 0]

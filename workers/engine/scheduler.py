@@ -140,13 +140,14 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # aborted after schedule()
                 continue
             seq.spec_token_ids = []
-            new = self._take_tokens(s, sampled, more) if s.sample else []
-            # KV is valid for the chunk up to the last accepted proposal; a rejected proposal's slot is released
-            seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + max(0, len(new) - 1)
-            for token in new:
+            num_appended = 0
+            for token in self._take_tokens(s, sampled, more) if s.sample else ():
                 seq.append_token(token)
-                if seq.is_finished:
+                num_appended += 1
+                if seq.is_finished:  # an eos or the length limit: later tokens are dropped
                     break
+            # KV is valid for the chunk up to the last appended proposal; a rejected proposal's slot is released
+            seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + max(0, num_appended - 1)
             if s.num_spec_tokens:
                 self.block_manager.truncate(seq, seq.num_computed_tokens)
             self.block_manager.cache_blocks(seq)
@@ -260,6 +261,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self.encoder_cache.release_all(seq.seq_id)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
         bisect.insort(self.waiting, seq, key=self.rank)
         out.preempted_seq_ids.append(seq.seq_id)
