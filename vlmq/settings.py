@@ -124,6 +124,9 @@ class Settings:
     backend: str = _setting(BACKENDS[0], WORKER, "`engine` (the vlmq engine) or `hf` (plain transformers "
                             "`generate`)")
     device: str = _setting("cpu", WORKER, "`cpu`, `cuda` or `cuda:N`")
+    speculative: str = _setting("", WORKER, "speculative decoding in the engine backend: `ngram`, `draft:<path>` "
+                                "(a small text LM with the model's tokenizer; relative to the model folder) or "
+                                "`head` (the model folder's `spec-head`)", shown="off")
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
@@ -137,6 +140,9 @@ class Settings:
             raise ValueError(f"storage_url must be s3://bucket/prefix or file:///dir, got {self.storage_url!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        kind, sep, path = self.speculative.partition(":")
+        if self.speculative and (kind not in ("ngram", "draft", "head") or (kind == "draft") != bool(sep and path)):
+            raise ValueError(f"speculative must be ngram, draft:<path> or head, got {self.speculative!r}")
         if self.shutdown_grace < 0 or self.storage_retry < 0:
             raise ValueError("shutdown_grace and storage_retry must not be negative")
         self.queue_depth_limit("xs")  # validates the format

@@ -81,7 +81,8 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     budget = CostBudget(worker_queues(spec, settings, settings.worker_classes), settings.worker_budget,
                         settings.worker_batch)
     name = name or f"{socket.gethostname()}:{os.getpid()}"
-    backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget)
+    backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
+                           speculative=settings.speculative or None)
     ctx = WorkerContext(settings, redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3),
                         open_storage(settings.storage_url, settings.s3_endpoint_url),
                         Batcher(backend, settings.worker_batch), spec.name, name)
@@ -167,7 +168,7 @@ def run_gpu_workers(settings: Settings, model: str, gpus: str) -> int:
 def main_from_args(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("device", args.device), ("worker_classes", args.classes),
                                    ("worker_budget", args.budget), ("worker_batch", args.batch),
-                                   ("backend", args.backend)) if v is not None}
+                                   ("backend", args.backend), ("speculative", args.speculative)) if v is not None}
     settings = Settings.from_env(**overrides)
     if args.gpus:
         return run_gpu_workers(settings, args.model, args.gpus)

@@ -69,7 +69,7 @@ def test_every_setting_round_trips_through_the_environment() -> None:
                        max_image_bytes=8, max_image_pixels=9, job_ttl=10, max_new_tokens=11, max_prompt_chars=12,
                        max_queue_depth="xs=3", visibility_timeout=13, max_attempts=14, shutdown_grace=15,
                        storage_retry=16, worker_budget=17, worker_batch=18, worker_classes="xs", backend="hf",
-                       device="cuda:1", tenant="acme")
+                       device="cuda:1", tenant="acme", speculative="ngram")
     defaults = Settings()
     assert all(getattr(changed, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(Settings))
     env = changed.to_env()
@@ -87,3 +87,13 @@ def test_a_bad_variable_is_named_in_the_error() -> None:
         Settings.from_env({"VLMQ_MODELS": "x"})
     with pytest.raises(ValueError, match="worker_batch must be positive"):
         Settings.from_env({"VLMQ_WORKER_BATCH": "0"})
+
+
+def test_speculative_setting_is_checked():
+    from vlmq.settings import Settings
+
+    assert Settings.from_env({"VLMQ_SPECULATIVE": "draft:../draft"}).speculative == "draft:../draft"
+    assert Settings.from_env({}).speculative == ""
+    for bad in ("eagle", "draft", "ngram:x"):
+        with pytest.raises(ValueError, match="speculative"):
+            Settings.from_env({"VLMQ_SPECULATIVE": bad})

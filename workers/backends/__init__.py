@@ -6,12 +6,14 @@ from vlmq.workers.backends.base import Backend, GenOutput, GenRequest
 __all__ = ["Backend", "GenOutput", "GenRequest", "load_backend"]
 
 
-def load_backend(name: str, model_dir: str, device: str, *, kv_tokens: int | None = None) -> Backend:
-    """Load a backend by name; ``kv_tokens``: tokens held at once (the worker's budget), for the engine's KV cache."""
+def load_backend(name: str, model_dir: str, device: str, *, kv_tokens: int | None = None,
+                 speculative: str | None = None) -> Backend:
+    """Load a backend by name; ``kv_tokens``: tokens held at once (the worker's budget), for the engine's KV cache;
+    ``speculative``: the engine's proposer (Engine.from_model_dir), None for none."""
     if name == "engine":
         from vlmq.workers.backends.engine import EngineBackend
 
-        return EngineBackend(model_dir, device, kv_tokens=kv_tokens)
+        return EngineBackend(model_dir, device, kv_tokens=kv_tokens, speculative=speculative)
     if name == "hf":
         from vlmq.workers.backends.hf import HFBackend
 

@@ -92,6 +92,7 @@ class Engine:
             cfg = spec_config
             self.adaptive_k = AdaptiveK(cfg.max_k, cfg.max_batch, cfg.cost_per_token) if cfg else AdaptiveK()
         self._draft_probs: dict[str, torch.Tensor] = {}
+        self._propose_cost = (0.0, 0)  # seconds the proposer took this step, for proposals this deep
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", *,
@@ -186,6 +187,8 @@ class Engine:
             finished = self.scheduler.update(runner_out)
             self._after_step(out, finished, t3)
             self._count_speculation(out, runner_out, before)
+            if self.proposer is not None:
+                self.adaptive_k.observe_cost(*self._propose_cost, t3 - t2)
             marks = (t0, t1, t2, t3, time.perf_counter())
             for name, a, b in zip(self.stats.timings, marks[:-1], marks[1:], strict=True):
                 self.stats.timings[name] += b - a
@@ -231,7 +234,7 @@ class Engine:
 
     def _propose(self) -> None:
         # proposals for this step's decodes; the scheduler keeps those that fit, the runner verifies them
-        self._draft_probs = {}
+        self._draft_probs, self._propose_cost = {}, (0.0, 0)
         if self.proposer is None:
             return
         decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
@@ -242,7 +245,9 @@ class Engine:
         chosen = [(s, k) for s, k in zip(decodes, ks, strict=True) if k > 0]
         if not chosen:
             return
+        t0 = time.perf_counter()
         proposals = self.proposer.propose([s for s, _ in chosen], [k for _, k in chosen])
+        self._propose_cost = (time.perf_counter() - t0, max(k for _, k in chosen))
         for (seq, _), p in zip(chosen, proposals, strict=True):
             seq.spec_token_ids = p.token_ids
             if p.probs is not None and p.token_ids:

@@ -89,15 +89,16 @@ class AdaptiveK:
     """How many tokens to propose for one sequence, from its running acceptance.
 
     With per-token acceptance a, k proposals emit (1 - a^(k+1)) / (1 - a) tokens per target forward; a step with
-    k proposals costs about 1 + cost_per_token × k forwards' worth of time (the proposer's work and the wider
-    chunk). k maximises the ratio; when it is 0 the sequence probes with one proposal every `probe_every` steps.
+    k proposals costs about 1 + cost_per_token × k forwards' worth of time (the proposer's work, measured as the
+    engine runs: observe_cost). k maximises the ratio; when it is 0 the sequence probes with one proposal every
+    `probe_every` steps.
     Off altogether for a step with more than `max_batch` decodes: the target is then compute-bound and verifying
     extra tokens costs as much as decoding them.
     """
 
     max_k: int = 4
     max_batch: int = 16
-    cost_per_token: float = 0.1
+    cost_per_token: float = 0.1  # a start; then measured
     decay: float = 0.7  # weight of the past in the running acceptance
     probe_every: int = 8
     prior: float = 0.6  # acceptance assumed before a sequence's first verification
@@ -114,6 +115,13 @@ class AdaptiveK:
             self.idle[seq_id] = self.idle.get(seq_id, 0) + 1
             k = int(self.idle[seq_id] % self.probe_every == 0)
         return max(0, min(k, remaining - 1))
+
+    def observe_cost(self, propose_s: float, depth: int, target_s: float) -> None:
+        """A step's proposer time for proposals `depth` deep and its target forward time: cost_per_token follows
+        the measured ratio (a draft model as slow as the target switches itself off)."""
+        if depth and target_s > 0:
+            seen = propose_s / depth / target_s
+            self.cost_per_token = self.decay * self.cost_per_token + (1 - self.decay) * seen
 
     def observe(self, seq_id: SeqId, num_proposed: int, num_accepted: int) -> None:
         if num_proposed:
@@ -133,7 +141,7 @@ class SpecConfig:
     method: str  # "ngram", "draft:<path to a text-only causal LM>" or "head" (the model folder's spec-head)
     max_k: int = 4
     max_batch: int = 16  # more decodes than this in a step: no proposals (measured: scripts/bench_speculative.py)
-    cost_per_token: float = 0.1
+    cost_per_token: float = 0.1  # proposer time per proposal depth / target forward time, until measured
 
     def __post_init__(self) -> None:
         kind = self.method.partition(":")[0]
