@@ -161,7 +161,7 @@ def test_preemption_keeps_outputs_identical(model_dir, workload, reference):
     engine.close()
 
 
-@pytest.mark.parametrize("method", ["ngram", f"draft:{DRAFT}"], ids=["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", f"draft:{DRAFT}", "head"], ids=["ngram", "draft", "head"])
 def test_speculative_greedy_equals_transformers_with_caches_and_preemption(model_dir, workload, reference, method):
     """Proposals verified in (k+1)-token chunks change no token: the whole workload, prefix and encoder caches on,
     a KV budget that forces preemption, proposals at every batch size (max_batch above the batch)."""

@@ -189,6 +189,7 @@ class Engine:
             self._count_speculation(out, runner_out, before)
             if self.proposer is not None:
                 self.adaptive_k.observe_cost(*self._propose_cost, t3 - t2)
+                self.proposer.observe(out, runner_out, self.runner.last_hidden)
             marks = (t0, t1, t2, t3, time.perf_counter())
             for name, a, b in zip(self.stats.timings, marks[:-1], marks[1:], strict=True):
                 self.stats.timings[name] += b - a

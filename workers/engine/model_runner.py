@@ -81,6 +81,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, draft_probs: dict[SeqId, torch.Tensor] | None = None) -> RunnerOutput:
         """draft_probs: for sequences whose proposals were sampled, the laws they were drawn from ([k, vocab])."""
         hidden = self.forward(out)  # [T, hidden]
+        self.last_hidden = hidden  # for a proposer that reads the target's hidden states
         ends = list(accumulate(s.num_new_tokens for s in out.scheduled))
         sampled = [(s, end) for s, end in zip(out.scheduled, ends, strict=True) if s.sample]
         if not sampled:
@@ -88,7 +89,6 @@ class ModelRunner:
         # rows: the last prompt/decode token, then every proposal (its logits verify the next proposal)
         rows = [r for s, end in sampled for r in range(end - 1 - s.num_spec_tokens, end)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()  # [R, vocab]
-        self.last_hidden = hidden  # for a proposer that reads the target's hidden states
         result, draft_probs = RunnerOutput(), draft_probs or {}
         row = 0
         for s, _ in sampled:

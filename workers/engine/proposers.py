@@ -42,6 +42,10 @@ class Proposer:
     def reset(self) -> None:
         """Forget every sequence (the engine starts afresh)."""
 
+    def observe(self, out, runner_out, hidden: torch.Tensor | None) -> None:
+        """After a step: what it ran (SchedulerOutput), what it emitted (RunnerOutput), and the target's hidden
+        states of every scheduled token [T, H] (for a proposer that reads them)."""
+
 
 class NgramProposer(Proposer):
     name = "ngram"
@@ -65,36 +69,31 @@ def ngram_lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]
 
 
 @dataclass(slots=True)
-class _DraftSeq:
-    """What the draft's KV holds for one sequence (duck-types the fields BlockManager uses)."""
+class PagedState:
+    """What a proposer model's KV holds for one sequence (duck-types the fields BlockManager uses)."""
 
-    prompt_ids: list[int]  # the prompt without image pad tokens
-    fed: list[int] = field(default_factory=list)  # tokens whose KV is in the draft cache, in order
+    prefix: list[int]  # draft: the prompt without image pad tokens; head: unused
+    first: int = 0  # head: sequence position of its first KV entry (a prefix-cache hit has no target features)
+    fed: list[int] = field(default_factory=list)  # tokens whose KV is in the proposer's cache, in order
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    features: list[torch.Tensor] = field(default_factory=list)  # head: target hidden states, one [n, H] per step
+    spec_feature: torch.Tensor | None = None  # head: its own last predicted feature [H]
 
 
-class DraftProposer(Proposer):
-    name = "draft"
+class PagedProposer(Proposer):
+    """A small model with its own paged KV cache, run k steps per call on all the sequences at once. Subclasses say
+    what it reads (`_tokens`, `_inputs`) and how it runs (`_layers`, `_logits`)."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, device: torch.device | str = "cpu",
                  seed: int = 0) -> None:
         self.model, self.device, self.block_size = model, torch.device(device), block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_caches = model.make_kv_caches(num_blocks, block_size, device=self.device)
-        self.state: dict[SeqId, _DraftSeq] = {}
+        self.state: dict[SeqId, PagedState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._reserved = 0  # blocks promised to this call's sequences, not yet taken
-
-    @classmethod
-    def from_dir(cls, path: str | Path, vocab_size: int, num_blocks: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> DraftProposer:
-        model = load_text_lm(path, device, dtype)
-        if model.config.vocab_size != vocab_size:
-            raise ValueError(f"the draft model in {path} has {model.config.vocab_size} tokens, the target "
-                             f"{vocab_size}; a draft must share the target's tokenizer")
-        return cls(model, num_blocks, device=device)
 
     def drop(self, seq_id: SeqId) -> None:
         st = self.state.pop(seq_id, None)
@@ -122,14 +121,24 @@ class DraftProposer(Proposer):
         self._reserved = 0
         return out
 
-    def _catch_up(self, seq: Sequence, k: int) -> list[int]:
-        # tokens to feed before the first proposal: what the sequence gained since the draft last saw it
+    def _state(self, seq: Sequence) -> PagedState | None:
         st = self.state.get(seq.seq_id)
         if st is None:
             pads = {j for img in seq.images for j in range(img.offset, img.end)}
             prompt = [t for j, t in enumerate(seq.token_ids[:seq.num_prompt_tokens]) if j not in pads]
-            st = self.state[seq.seq_id] = _DraftSeq(prompt)
-        ids = st.prompt_ids + seq.completion_token_ids
+            st = self.state[seq.seq_id] = PagedState(prompt)
+        return st
+
+    def _tokens(self, seq: Sequence, st: PagedState) -> list[int]:
+        # what the model reads, up to the sequence's last token (never fed yet: its output gives proposal 1)
+        return st.prefix + seq.completion_token_ids
+
+    def _catch_up(self, seq: Sequence, k: int) -> list[int]:
+        # tokens to feed before the first proposal: what the sequence gained since the model last saw it
+        st = self._state(seq)
+        ids = self._tokens(seq, st) if st is not None else []
+        if not ids:
+            return []
         same = 0
         for a, b in zip(st.fed, ids[:-1], strict=False):  # the last token is fed again: its logits give proposal 1
             if a != b:
@@ -138,44 +147,66 @@ class DraftProposer(Proposer):
         self._truncate(st, same)
         new = ids[same:]
         need = max(0, num_blocks_for(same + len(new) + k, self.block_size) - len(st.block_table))
-        if need > self.blocks.num_free_blocks - self._reserved:  # the draft's cache is full: no proposals now
+        if need > self.blocks.num_free_blocks - self._reserved:  # the proposer's cache is full: no proposals now
             return []
         self._reserved += need
         return new
 
-    def _truncate(self, st: _DraftSeq, n: int) -> None:
+    def _truncate(self, st: PagedState, n: int) -> None:
         del st.fed[n:]
         st.num_computed_tokens = n
         self.blocks.truncate(st, n)
 
     def _forward(self, seqs: list[Sequence], live: list[int], chunks: dict[int, list[int]]):
         states = [self.state[seqs[i].seq_id] for i in live]
-        ids, positions, slots = [], [], []
+        ids, positions, slots, inputs = [], [], [], []
         for i, st in zip(live, states, strict=True):
             n, start = len(chunks[i]), st.num_computed_tokens
             self.blocks.append_slots(st, n)
+            inputs.append(self._inputs(st, chunks[i]))
             ids += chunks[i]
-            positions += range(start, start + n)
+            positions += range(st.first + start, st.first + start + n)
             slots += slot_mapping(st.block_table, self.block_size, start, start + n)
             st.fed += chunks[i]
             st.num_computed_tokens += n
         meta = AttentionMetadata.build([len(chunks[i]) for i in live], [st.num_computed_tokens for st in states],
                                        [st.block_table for st in states], self.block_size, self.device, slots)
-        lm = self.model.language_model
-        hidden = lm(lm.embed_tokens(torch.tensor(ids, device=self.device)),
-                    torch.tensor(positions, device=self.device), meta, self.kv_caches)
-        last = torch.tensor(meta.cu_query_lens[1:].tolist(), device=self.device) - 1
-        logits = self.model.compute_logits(hidden[last]).float()  # [S, vocab]
-        return self._choose(logits, [seqs[i].sampling.temperature for i in live])
+        hidden = self._layers(torch.cat(inputs), torch.tensor(positions, device=self.device), meta)
+        last = hidden[meta.cu_query_lens[1:].to(self.device).long() - 1]  # [S, H]
+        for st, row in zip(states, last, strict=True):
+            st.spec_feature = row
+        return self._choose(self._logits(last), [seqs[i].sampling.temperature for i in live])
+
+    def _inputs(self, st: PagedState, tokens: list[int]) -> torch.Tensor:
+        return self.model.language_model.embed_tokens(torch.tensor(tokens, device=self.device))  # [n, H]
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.language_model(x, positions, meta, self.kv_caches)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(last).float()  # [S, vocab]
 
     def _choose(self, logits: torch.Tensor, temps: list[float]) -> tuple[list[int], list[torch.Tensor | None]]:
-        # greedy requests take the draft's argmax; sampled ones draw from the draft at their temperature
+        # greedy requests take the proposer's argmax; sampled ones draw from it at their temperature
         tokens, probs = logits.argmax(-1).tolist(), [None] * len(temps)
         for j, t in enumerate(temps):
             if t > 0:
                 probs[j] = torch.softmax(logits[j] / t, dim=-1)
                 tokens[j] = int(torch.multinomial(probs[j], 1, generator=self.generator))
         return tokens, probs
+
+
+class DraftProposer(PagedProposer):
+    name = "draft"
+
+    @classmethod
+    def from_dir(cls, path: str | Path, vocab_size: int, num_blocks: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> DraftProposer:
+        model = load_text_lm(path, device, dtype)
+        if model.config.vocab_size != vocab_size:
+            raise ValueError(f"the draft model in {path} has {model.config.vocab_size} tokens, the target "
+                             f"{vocab_size}; a draft must share the target's tokenizer")
+        return cls(model, num_blocks, device=device)
 
 
 HEAD_DIR = "spec-head"  # the vision-aware head's folder inside a model folder
