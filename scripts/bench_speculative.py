@@ -43,7 +43,7 @@ def workloads(quick: bool) -> dict[str, list[Request]]:
 
 def run(engine: Engine, requests: list[Request], batch: int) -> tuple[float, float, list[list[int]], SpecStats]:
     """-> (wall seconds, CPU seconds of this process, tokens, stats)."""
-    engine.stats.speculative = SpecStats()
+    engine.stats.speculative = SpecStats(engine.stats.speculative.proposer)
     t0, c0 = time.perf_counter(), time.process_time()
     outs = []
     for i in range(0, len(requests), batch):

@@ -26,7 +26,6 @@ from vlmq.workers.engine.engine import Engine, Request
 from vlmq.workers.engine.proposers import HEAD_DIR, Proposer
 from vlmq.workers.engine.spec_decode import AdaptiveK
 from vlmq.workers.engine.spec_head import SpecHead
-from vlmq.workers.layers.rotary import apply_rotary
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "workers" / "assets" / "tiny-shapes"
@@ -63,22 +62,6 @@ def collect(n: int, seed: int) -> list[tuple[torch.Tensor, list[int], int]]:
     return data
 
 
-def layer_forward(head: SpecHead, x: torch.Tensor) -> torch.Tensor:
-    """The head on whole padded sequences (training): x [B, L, H] -> [B, L, H], causal."""
-    b, n, _ = x.shape
-    attn, layer = head.layer.self_attn, head.layer
-    cos, sin = head.rotary(torch.arange(n), x.dtype)
-    h = layer.input_layernorm(x).reshape(b * n, -1)
-    q = apply_rotary(attn.q_proj(h).view(b * n, attn.num_heads, -1), cos.repeat(b, 1), sin.repeat(b, 1))
-    k = apply_rotary(attn.k_proj(h).view(b * n, attn.num_kv_heads, -1), cos.repeat(b, 1), sin.repeat(b, 1))
-    v = attn.v_proj(h).view(b * n, attn.num_kv_heads, -1)
-    q, k, v = (t.view(b, n, t.shape[1], -1).transpose(1, 2) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return head.norm(x)
-
-
 def batch_tensors(items, embed):
     # inputs at j = 0..L-2: (h_j, x_{j+1}); targets: h_{j+1}, x_{j+2}; answer positions j >= P - 2
     n = max(len(f) for f, _, _ in items)
@@ -109,10 +92,10 @@ def train(data, target, steps: int, seed: int, batch: int = 16) -> SpecHead:
         items = [data[i] for i in batches[int(torch.randint(len(batches), (1,), generator=g))]]
         feats, embeds, tgt_f, tgt_t = batch_tensors(items, embed)
         mask = tgt_t != -100
-        out1 = layer_forward(head, head.fc(torch.cat([feats, embeds], -1)))
+        out1 = head(feats, embeds)
         # pass 2: answer positions read the head's own guess of h_j (out1 at j - 1), as when proposing
         own = torch.cat([feats[:, :1], out1[:, :-1].detach()], 1)
-        out2 = layer_forward(head, head.fc(torch.cat([torch.where(mask[..., None], own, feats), embeds], -1)))
+        out2 = head(torch.where(mask[..., None], own, feats), embeds)
         loss = 0
         for out in (out1, out2):
             loss = loss + F.cross_entropy(lm_head(out[mask]), tgt_t[mask]) + F.smooth_l1_loss(out[mask], tgt_f[mask])
@@ -132,7 +115,7 @@ def agreement(head: SpecHead, data, target) -> float:
     right = total = 0
     for item in data:
         feats, embeds, _, tgt_t = batch_tensors([item], target.language_model.embed_tokens)
-        out = layer_forward(head, head.fc(torch.cat([feats, embeds], -1)))
+        out = head(feats, embeds)
         mask = tgt_t != -100
         right += int((target.lm_head(out[mask]).argmax(-1) == tgt_t[mask]).sum())
         total += int(mask.sum())
@@ -162,6 +145,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / "model.safetensors"))
+    (out / "model.safetensors").chmod(0o644)
     (out / "config.json").write_text(json.dumps({**head.config, "train_report": report}, indent=1) + "\n")
     print(json.dumps(report))
 

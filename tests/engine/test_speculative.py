@@ -132,6 +132,21 @@ def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2), stat / 2))  # P(chi2_df > stat)
 
 
+def two_sample_p(a: list, b: list) -> float:
+    """Chi-square test of homogeneity: could samples a and b come from one distribution? Categories expected
+    fewer than 5 times in either sample are pooled."""
+    cats = sorted(set(a) | set(b))
+    counts = torch.tensor([[x.count(c) for c in cats] for x in (a, b)], dtype=torch.float64)  # [2, C]
+    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    small = (expected < 5).any(0)
+    if small.any():
+        counts = torch.cat([counts[:, ~small], counts[:, small].sum(1, keepdim=True)], 1)
+        expected = torch.cat([expected[:, ~small], expected[:, small].sum(1, keepdim=True)], 1)
+    stat = ((counts - expected) ** 2 / expected).sum()
+    df = counts.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), stat / 2)) if df > 0 else 1.0
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     threads = torch.get_num_threads()

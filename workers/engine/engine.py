@@ -8,6 +8,11 @@
 Preprocessing (chat template, tokenizer, fast image preprocessing, pixel hash; intake.py) runs on a thread pool;
 prepared requests join the scheduler at the start of a step, so the model waits for it only when it has nothing
 to run.
+
+Speculative decoding (`speculative="ngram" | "draft:<path>" | "head"`): before each step a proposer guesses the
+next tokens of the decoding sequences (proposers.py, spec_head.py; how many: spec_decode.AdaptiveK); the scheduler
+runs each guess as a (k+1)-token chunk, the runner keeps what the target agrees with (spec_decode.verify: greedy
+outputs unchanged, sampled ones exactly the target's law), and the rejected tokens' KV slots are released.
 """
 from __future__ import annotations
 
@@ -89,8 +94,10 @@ class Engine:
         self.proposer = proposer  # speculative decoding (None: off)
         if proposer is not None:
             proposer.reset()
+            self.stats.speculative.proposer = proposer.name
             cfg = spec_config
-            self.adaptive_k = AdaptiveK(cfg.max_k, cfg.max_batch, cfg.cost_per_token) if cfg else AdaptiveK()
+            self.adaptive_k = AdaptiveK(cfg.max_k, cfg.max_batch, cfg.cost_per_token, adaptive=cfg.adaptive) \
+                if cfg else AdaptiveK()
         self._draft_probs: dict[str, torch.Tensor] = {}
         self._propose_cost = (0.0, 0)  # seconds the proposer took this step, for proposals this deep
 
@@ -180,15 +187,15 @@ class Engine:
         if self.scheduler.has_unfinished:
             self._propose()
             out = self.scheduler.schedule()
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.thread_time()
             runner_out = self.runner.execute(out, self._draft_probs) if self._draft_probs else self.runner.execute(out)
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.thread_time()
             before = {s.seq_id: s.seq.num_completion_tokens for s in out.scheduled if s.sample and not s.is_prefill}
             finished = self.scheduler.update(runner_out)
             self._after_step(out, finished, t3)
             self._count_speculation(out, runner_out, before)
             if self.proposer is not None:
-                self.adaptive_k.observe_cost(*self._propose_cost, t3 - t2)
+                self.adaptive_k.observe_cost(*self._propose_cost, c3 - c2)
                 self.proposer.observe(out, runner_out, self.runner.last_hidden)
             marks = (t0, t1, t2, t3, time.perf_counter())
             for name, a, b in zip(self.stats.timings, marks[:-1], marks[1:], strict=True):
@@ -246,9 +253,11 @@ class Engine:
         chosen = [(s, k) for s, k in zip(decodes, ks, strict=True) if k > 0]
         if not chosen:
             return
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # CPU time of this thread: what other processes run does not count
         proposals = self.proposer.propose([s for s, _ in chosen], [k for _, k in chosen])
-        self._propose_cost = (time.perf_counter() - t0, max(k for _, k in chosen))
+        # a sequence's first proposals also read its whole prompt: a one-off, not the cost per proposal
+        if all(s.num_completion_tokens > 1 for s, _ in chosen):
+            self._propose_cost = (time.thread_time() - t0, max(k for _, k in chosen))
         for (seq, _), p in zip(chosen, proposals, strict=True):
             seq.spec_token_ids = p.token_ids
             if p.probs is not None and p.token_ids:

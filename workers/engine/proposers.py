@@ -9,6 +9,8 @@
 - DraftProposer: a small text-only causal LM with the target's tokenizer (e.g. tiny-shapes-draft), with its own
   paged KV cache. It reads the sequence without the image's pad tokens and keeps the KV of the tokens it has seen
   as long as they stay in the sequence (accepted proposals included).
+- HeadProposer (spec_head.py): the vision-aware head over the target's own hidden states; it reads them in
+  `observe`, which the engine calls after every step.
 """
 from __future__ import annotations
 
@@ -69,29 +71,27 @@ def ngram_lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]
 
 
 @dataclass(slots=True)
-class PagedState:
-    """What a proposer model's KV holds for one sequence (duck-types the fields BlockManager uses)."""
+class DraftState:
+    """What the draft's KV holds for one sequence (duck-types the fields BlockManager uses)."""
 
-    prefix: list[int]  # draft: the prompt without image pad tokens; head: unused
-    first: int = 0  # head: sequence position of its first KV entry (a prefix-cache hit has no target features)
+    prefix: list[int]  # the prompt without image pad tokens
     fed: list[int] = field(default_factory=list)  # tokens whose KV is in the proposer's cache, in order
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    features: list[torch.Tensor] = field(default_factory=list)  # head: target hidden states, one [n, H] per step
-    spec_feature: torch.Tensor | None = None  # head: its own last predicted feature [H]
 
 
-class PagedProposer(Proposer):
-    """A small model with its own paged KV cache, run k steps per call on all the sequences at once. Subclasses say
-    what it reads (`_tokens`, `_inputs`) and how it runs (`_layers`, `_logits`)."""
+class DraftProposer(Proposer):
+    """A small causal LM with its own paged KV cache, run k steps per call on all the sequences at once."""
+
+    name = "draft"
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, device: torch.device | str = "cpu",
                  seed: int = 0) -> None:
         self.model, self.device, self.block_size = model, torch.device(device), block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_caches = model.make_kv_caches(num_blocks, block_size, device=self.device)
-        self.state: dict[SeqId, PagedState] = {}
+        self.state: dict[SeqId, DraftState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._reserved = 0  # blocks promised to this call's sequences, not yet taken
 
@@ -121,24 +121,22 @@ class PagedProposer(Proposer):
         self._reserved = 0
         return out
 
-    def _state(self, seq: Sequence) -> PagedState | None:
+    def _state(self, seq: Sequence) -> DraftState:
         st = self.state.get(seq.seq_id)
         if st is None:
             pads = {j for img in seq.images for j in range(img.offset, img.end)}
             prompt = [t for j, t in enumerate(seq.token_ids[:seq.num_prompt_tokens]) if j not in pads]
-            st = self.state[seq.seq_id] = PagedState(prompt)
+            st = self.state[seq.seq_id] = DraftState(prompt)
         return st
 
-    def _tokens(self, seq: Sequence, st: PagedState) -> list[int]:
+    def _tokens(self, seq: Sequence, st: DraftState) -> list[int]:
         # what the model reads, up to the sequence's last token (never fed yet: its output gives proposal 1)
         return st.prefix + seq.completion_token_ids
 
     def _catch_up(self, seq: Sequence, k: int) -> list[int]:
         # tokens to feed before the first proposal: what the sequence gained since the model last saw it
         st = self._state(seq)
-        ids = self._tokens(seq, st) if st is not None else []
-        if not ids:
-            return []
+        ids = self._tokens(seq, st)
         same = 0
         for a, b in zip(st.fed, ids[:-1], strict=False):  # the last token is fed again: its logits give proposal 1
             if a != b:
@@ -152,7 +150,7 @@ class PagedProposer(Proposer):
         self._reserved += need
         return new
 
-    def _truncate(self, st: PagedState, n: int) -> None:
+    def _truncate(self, st: DraftState, n: int) -> None:
         del st.fed[n:]
         st.num_computed_tokens = n
         self.blocks.truncate(st, n)
@@ -165,7 +163,7 @@ class PagedProposer(Proposer):
             self.blocks.append_slots(st, n)
             inputs.append(self._inputs(st, chunks[i]))
             ids += chunks[i]
-            positions += range(st.first + start, st.first + start + n)
+            positions += range(start, start + n)
             slots += slot_mapping(st.block_table, self.block_size, start, start + n)
             st.fed += chunks[i]
             st.num_computed_tokens += n
@@ -173,11 +171,9 @@ class PagedProposer(Proposer):
                                        [st.block_table for st in states], self.block_size, self.device, slots)
         hidden = self._layers(torch.cat(inputs), torch.tensor(positions, device=self.device), meta)
         last = hidden[meta.cu_query_lens[1:].to(self.device).long() - 1]  # [S, H]
-        for st, row in zip(states, last, strict=True):
-            st.spec_feature = row
         return self._choose(self._logits(last), [seqs[i].sampling.temperature for i in live])
 
-    def _inputs(self, st: PagedState, tokens: list[int]) -> torch.Tensor:
+    def _inputs(self, st: DraftState, tokens: list[int]) -> torch.Tensor:
         return self.model.language_model.embed_tokens(torch.tensor(tokens, device=self.device))  # [n, H]
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -194,10 +190,6 @@ class PagedProposer(Proposer):
                 probs[j] = torch.softmax(logits[j] / t, dim=-1)
                 tokens[j] = int(torch.multinomial(probs[j], 1, generator=self.generator))
         return tokens, probs
-
-
-class DraftProposer(PagedProposer):
-    name = "draft"
 
     @classmethod
     def from_dir(cls, path: str | Path, vocab_size: int, num_blocks: int, device: torch.device | str = "cpu",
@@ -224,4 +216,4 @@ def make_proposer(method: str, model_dir: Path, model, config, device: torch.dev
         return DraftProposer.from_dir(Path(model_dir, path), vocab, num_blocks, device, dtype)
     from .spec_head import HeadProposer  # noqa: PLC0415 - only with a head
 
-    return HeadProposer.from_dir(Path(model_dir, HEAD_DIR), model, num_blocks, device, dtype)
+    return HeadProposer.from_dir(Path(model_dir, HEAD_DIR), model, device, dtype)

@@ -70,6 +70,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 @dataclass(slots=True)
 class SpecStats:
+    proposer: str = "none"  # ngram, draft, head
     num_proposed: int = 0  # proposals verified
     num_accepted: int = 0  # of those, accepted
     num_decode_forwards: int = 0  # decode steps of sequences (one target forward row group each)
@@ -101,7 +102,8 @@ class AdaptiveK:
     cost_per_token: float = 0.1  # a start; then measured
     decay: float = 0.7  # weight of the past in the running acceptance
     probe_every: int = 8
-    prior: float = 0.6  # acceptance assumed before a sequence's first verification
+    prior: float = 0.6  # acceptance assumed for a new sequence: the running acceptance of all sequences
+    adaptive: bool = True  # False: always max_k (tests, benchmarks)
     rate: dict[SeqId, float] = field(default_factory=dict)
     idle: dict[SeqId, int] = field(default_factory=dict)
 
@@ -109,6 +111,8 @@ class AdaptiveK:
         """remaining: tokens the sequence may still emit; proposals never go past its last one."""
         if num_decodes > self.max_batch or self.max_k == 0:
             return 0
+        if not self.adaptive:
+            return max(0, min(self.max_k, remaining - 1))
         a = min(self.rate.get(seq_id, self.prior), 0.99)
         k = max(range(self.max_k + 1), key=lambda j: (1 - a ** (j + 1)) / (1 - a) / (1 + self.cost_per_token * j))
         if k == 0:
@@ -121,13 +125,14 @@ class AdaptiveK:
         the measured ratio (a draft model as slow as the target switches itself off)."""
         if depth and target_s > 0:
             seen = propose_s / depth / target_s
-            self.cost_per_token = self.decay * self.cost_per_token + (1 - self.decay) * seen
+            self.cost_per_token = 0.9 * self.cost_per_token + 0.1 * seen  # a property of the proposer: slow
 
     def observe(self, seq_id: SeqId, num_proposed: int, num_accepted: int) -> None:
         if num_proposed:
             # per-token acceptance seen: accepted over trials (the accepted ones, plus the rejection if any)
             seen = num_accepted / (num_accepted + (num_accepted < num_proposed))
             self.rate[seq_id] = self.decay * self.rate.get(seq_id, self.prior) + (1 - self.decay) * seen
+            self.prior = 0.95 * self.prior + 0.05 * seen
 
     def forget(self, seq_id: SeqId) -> None:
         self.rate.pop(seq_id, None)
@@ -142,6 +147,7 @@ class SpecConfig:
     max_k: int = 4
     max_batch: int = 16  # more decodes than this in a step: no proposals (measured: scripts/bench_speculative.py)
     cost_per_token: float = 0.1  # proposer time per proposal depth / target forward time, until measured
+    adaptive: bool = True  # False: always max_k proposals (below max_batch)
 
     def __post_init__(self) -> None:
         kind = self.method.partition(":")[0]
