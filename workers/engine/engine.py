@@ -96,10 +96,9 @@ class Engine:
             proposer.reset()
             self.stats.speculative.proposer = proposer.name
             cfg = spec_config
-            self.adaptive_k = AdaptiveK(cfg.max_k, cfg.max_batch, cfg.cost_per_token, adaptive=cfg.adaptive) \
-                if cfg else AdaptiveK()
+            self.adaptive_k = AdaptiveK(cfg.max_k, cfg.max_batch, adaptive=cfg.adaptive) if cfg else AdaptiveK()
         self._draft_probs: dict[str, torch.Tensor] = {}
-        self._propose_cost = (0.0, 0)  # seconds the proposer took this step, for proposals this deep
+        self._propose_cost = (0.0, 0)  # CPU seconds the proposer took this step, for this many proposals
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", *,
@@ -195,7 +194,8 @@ class Engine:
             self._after_step(out, finished, t3)
             self._count_speculation(out, runner_out, before)
             if self.proposer is not None:
-                self.adaptive_k.observe_cost(*self._propose_cost, c3 - c2)
+                decode_only = not out.encoder_inputs and not any(s.is_prefill for s in out.scheduled)
+                self.adaptive_k.observe_cost(*self._propose_cost, c3 - c2, out.num_scheduled_tokens, decode_only)
                 self.proposer.observe(out, runner_out, self.runner.last_hidden)
             marks = (t0, t1, t2, t3, time.perf_counter())
             for name, a, b in zip(self.stats.timings, marks[:-1], marks[1:], strict=True):
@@ -257,7 +257,7 @@ class Engine:
         proposals = self.proposer.propose([s for s, _ in chosen], [k for _, k in chosen])
         # a sequence's first proposals also read its whole prompt: a one-off, not the cost per proposal
         if all(s.num_completion_tokens > 1 for s, _ in chosen):
-            self._propose_cost = (time.thread_time() - t0, max(k for _, k in chosen))
+            self._propose_cost = (time.thread_time() - t0, sum(k for _, k in chosen))
         for (seq, _), p in zip(chosen, proposals, strict=True):
             seq.spec_token_ids = p.token_ids
             if p.probs is not None and p.token_ids:

@@ -87,25 +87,28 @@ class SpecStats:
 
 @dataclass(slots=True)
 class AdaptiveK:
-    """How many tokens to propose for one sequence, from its running acceptance.
+    """How many tokens to propose for one sequence, from its running acceptance and measured costs.
 
-    With per-token acceptance a, k proposals emit (1 - a^(k+1)) / (1 - a) tokens per target forward; a step with
-    k proposals costs about 1 + cost_per_token × k forwards' worth of time (the proposer's work, measured as the
-    engine runs: observe_cost). k maximises the ratio; when it is 0 the sequence probes with one proposal every
-    `probe_every` steps.
-    Off altogether for a step with more than `max_batch` decodes: the target is then compute-bound and verifying
-    extra tokens costs as much as decoding them.
+    With per-token acceptance a, k proposals emit (1 - a^(k+1)) / (1 - a) tokens per target forward. With n
+    decodes in a step that costs α + β × tokens (the target, fitted on decode-only steps) and a proposer that takes
+    p per proposal, a sequence's share of the step grows from α / n + β by k × (p + β): k maximises tokens over
+    cost. All times are the engine thread's CPU time (observe_cost). When k is 0 the sequence probes with one
+    proposal every `probe_every` steps. Off altogether above `max_batch` decodes (measured by
+    scripts/bench_speculative.py: where verifying extra tokens stops paying).
     """
 
     max_k: int = 4
     max_batch: int = 16
-    cost_per_token: float = 0.1  # a start; then measured
     decay: float = 0.7  # weight of the past in the running acceptance
     probe_every: int = 8
     prior: float = 0.6  # acceptance assumed for a new sequence: the running acceptance of all sequences
     adaptive: bool = True  # False: always max_k (tests, benchmarks)
+    proposal_s: float = 2e-4  # p: proposer seconds per proposal (a start, then measured)
+    step_s: float = 1e-3  # α: target seconds per decode step, whatever its size (a start, then fitted)
+    token_s: float = 1e-4  # β: target seconds per token of a decode step (a start, then fitted)
     rate: dict[SeqId, float] = field(default_factory=dict)
     idle: dict[SeqId, int] = field(default_factory=dict)
+    moments: list[float] = field(default_factory=lambda: [0.0] * 5)  # EMA of 1, T, t, T², T·t
 
     def k_for(self, seq_id: SeqId, num_decodes: int, remaining: int) -> int:
         """remaining: tokens the sequence may still emit; proposals never go past its last one."""
@@ -114,18 +117,28 @@ class AdaptiveK:
         if not self.adaptive:
             return max(0, min(self.max_k, remaining - 1))
         a = min(self.rate.get(seq_id, self.prior), 0.99)
-        k = max(range(self.max_k + 1), key=lambda j: (1 - a ** (j + 1)) / (1 - a) / (1 + self.cost_per_token * j))
+        c = (self.proposal_s + self.token_s) / (self.step_s / max(num_decodes, 1) + self.token_s)
+        k = max(range(self.max_k + 1), key=lambda j: (1 - a ** (j + 1)) / (1 - a) / (1 + c * j))
         if k == 0:
             self.idle[seq_id] = self.idle.get(seq_id, 0) + 1
             k = int(self.idle[seq_id] % self.probe_every == 0)
         return max(0, min(k, remaining - 1))
 
-    def observe_cost(self, propose_s: float, depth: int, target_s: float) -> None:
-        """A step's proposer time for proposals `depth` deep and its target forward time: cost_per_token follows
-        the measured ratio (a draft model as slow as the target switches itself off)."""
-        if depth and target_s > 0:
-            seen = propose_s / depth / target_s
-            self.cost_per_token = 0.9 * self.cost_per_token + 0.1 * seen  # a property of the proposer: slow
+    def observe_cost(self, propose_s: float, num_proposals: int, target_s: float, num_tokens: int,
+                     decode_only: bool) -> None:
+        """One step: the proposer's time for `num_proposals` proposals, and the target's for `num_tokens` tokens
+        (fitted only when the step was all decodes: prefill chunks and images cost otherwise)."""
+        if num_proposals:
+            self.proposal_s = 0.9 * self.proposal_s + 0.1 * propose_s / num_proposals  # a property of the proposer
+        if decode_only and target_s > 0:
+            m = self.moments
+            for i, x in enumerate((1.0, num_tokens, target_s, num_tokens ** 2, num_tokens * target_s)):
+                m[i] = 0.95 * m[i] + 0.05 * x
+            mean_t, mean_s = m[1] / m[0], m[2] / m[0]
+            var = m[3] / m[0] - mean_t ** 2
+            if var > 1e-9:  # steps of different sizes seen: a slope
+                self.token_s = max(0.0, (m[4] / m[0] - mean_t * mean_s) / var)
+            self.step_s = max(1e-6, mean_s - self.token_s * mean_t)
 
     def observe(self, seq_id: SeqId, num_proposed: int, num_accepted: int) -> None:
         if num_proposed:
@@ -146,12 +159,11 @@ class SpecConfig:
     method: str  # "ngram", "draft:<path to a text-only causal LM>" or "head" (the model folder's spec-head)
     max_k: int = 4
     max_batch: int = 16  # more decodes than this in a step: no proposals (measured: scripts/bench_speculative.py)
-    cost_per_token: float = 0.1  # proposer time per proposal depth / target forward time, until measured
     adaptive: bool = True  # False: always max_k proposals (below max_batch)
 
     def __post_init__(self) -> None:
         kind = self.method.partition(":")[0]
         if kind not in ("ngram", "draft", "head") or (kind == "draft") != (":" in self.method):
             raise ValueError(f"speculative must be 'ngram', 'draft:<path>' or 'head', got {self.method!r}")
-        if self.max_k < 1 or self.max_batch < 0 or self.cost_per_token < 0:
+        if self.max_k < 1 or self.max_batch < 0:
             raise ValueError(f"invalid speculative settings {self!r}")
