@@ -7,7 +7,8 @@
    when serving: the same engine, the same kernels).
 2. The head learns, at each position j, the target's next hidden state h_{j+1} (smooth L1) and the token after it
    (cross-entropy through the target's frozen LM head) from (h_j, x_{j+1}); a second pass feeds its own guesses
-   back for the answer positions (as when it proposes several tokens), detached. Losses on answer positions only.
+   back for the answer positions (as when it proposes several tokens), detached. Losses on answer positions only;
+   the head's context starts at the last prompt token, whose hidden state already sums up the image and question.
 Deterministic from --seed (one torch thread); about 5 minutes on one core.
 """
 from __future__ import annotations
@@ -60,6 +61,12 @@ def collect(n: int, seed: int) -> list[tuple[torch.Tensor, list[int], int]]:
         data.append((feats, list(seq.token_ids), seq.num_prompt_tokens))
     engine.close()
     return data
+
+
+def from_last_prompt_token(item):
+    # the head's context starts at the last prompt token (as when serving: see spec_head.HeadProposer)
+    feats, ids, p = item
+    return feats[p - 1:], ids[p - 1:], 1
 
 
 def batch_tensors(items, embed):
@@ -131,7 +138,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    data, valid = collect(args.examples, TRAIN_SEED), collect(100, VALID_SEED)
+    data, valid = (list(map(from_last_prompt_token, collect(n, seed)))
+                   for n, seed in ((args.examples, TRAIN_SEED), (100, VALID_SEED)))
     t1 = time.perf_counter()
     from vlmq.workers.models.loader import load_model
 

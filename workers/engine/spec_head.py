@@ -7,9 +7,11 @@ image. The head reads, at each position j, the pair (h_j, x_{j+1}) (hidden state
     x_{j+2} ~ lm_head(f_{j+1})                             # the target's own embedding and LM head
 
 and proposes k tokens by feeding its own guesses back: (f_{j+1}, x_{j+2}) -> f_{j+2} -> x_{j+3} ... Its attention
-runs over its own cache of the sequence's positions, with the sequence index as rotary position (the target's
-hidden states carry the M-RoPE layout). Positions whose KV came from the prefix cache have no target hidden state
-here: the head starts after them. Trained by scripts/train_spec_head.py; shipped as `<model>/spec-head`.
+runs over its own cache of the positions from the last prompt token on (that hidden state already sums up the
+image and the question; reading the image tokens again costs a long first step and, per ViSpec, a shallow head
+averages them away), with the sequence index as rotary position (the target's hidden states carry the M-RoPE
+layout). A prompt served whole from the prefix cache has no hidden state here: the head starts after it.
+Trained by scripts/train_spec_head.py; shipped as `<model>/spec-head`.
 """
 from __future__ import annotations
 
@@ -146,7 +148,9 @@ def load_head(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype
 @dataclass(slots=True)
 class _HeadSeq:
     first: int  # sequence position of the first target hidden state the head has (after any prefix-cache hit)
-    features: torch.Tensor  # [n, H] the target's hidden states of positions first .. first + n - 1
+    # the target's hidden states of positions first .. first + num_features - 1: [n_i, H] pieces, joined when read
+    pieces: list[torch.Tensor]
+    num_features: int
     fed: list[int] = field(default_factory=list)  # x_{j+1} of each position j in the head's cache
     cache: HeadCache = field(default_factory=lambda: HeadCache())  # the head's keys/values of those positions
 
@@ -186,17 +190,21 @@ class HeadProposer(Proposer):
             valid = s.num_new_tokens - s.num_spec_tokens
             if s.sample:
                 valid += len(runner_out.more_token_ids.get(s.seq_id, ()))
-            self._add_features(s.seq_id, s.start, rows[:valid])
+            # the head's context starts at the last prompt token (its hidden state sums up image and question)
+            skip = max(0, s.seq.num_prompt_tokens - 1 - s.start)
+            if skip < valid:
+                self._add_features(s.seq_id, s.start + skip, rows[skip:valid])
 
     def _add_features(self, seq_id: SeqId, start: int, rows: torch.Tensor) -> None:
         # rows: the target's hidden states of positions start .. start + len(rows) - 1
         st = self.state.get(seq_id)
-        if st is None or start > st.first + len(st.features):  # first sight, or a gap after a prefix-cache hit
-            self.state[seq_id] = _HeadSeq(start, rows)
+        if st is None or start > st.first + st.num_features:  # first sight, or a gap after a prefix-cache hit
+            self.state[seq_id] = _HeadSeq(start, [rows], len(rows))
             return
-        have = st.first + len(st.features)
-        if start + len(rows) > have:
-            st.features = torch.cat([st.features, rows[have - start:]])
+        have = st.first + st.num_features
+        if start + len(rows) > have:  # a view kept until the next proposal: no copy per step
+            st.pieces.append(rows[have - start:])
+            st.num_features += start + len(rows) - have
 
     # -- proposing ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -208,12 +216,14 @@ class HeadProposer(Proposer):
         if st is None or k < 1:
             return Proposal([])
         # position j reads (h_j, x_{j+1}) for every j with a target hidden state; the last one gives proposal 1
-        ids = seq.token_ids[st.first + 1:st.first + 1 + len(st.features)]
+        ids = seq.token_ids[st.first + 1:st.first + 1 + st.num_features]
         # the cache keeps only positions fed with the target's states and real tokens: they stay valid
         same = min(len(st.fed), len(ids) - 1)
         self._truncate(st, same)
         tokens, temp, probs = [], seq.sampling.temperature, []
-        feats, new, known = st.features[same:], ids[same:], len(ids)
+        if len(st.pieces) > 1:
+            st.pieces = [torch.cat(st.pieces)]
+        feats, new, known = st.pieces[0][same:], ids[same:], len(ids)
         for _ in range(k):
             guess = self._run(st, feats, new)  # [H]
             logits = self.target.compute_logits(guess).float()
