@@ -53,7 +53,7 @@ def collect(n: int, seed: int) -> list[tuple[torch.Tensor, list[int], int]]:
     engine = Engine.from_model_dir(MODEL, num_blocks=8192, enable_prefix_caching=False)
     engine.proposer, engine.adaptive_k = Capture(), AdaptiveK(max_batch=0)  # observe only
     examples = make_split(seed, n, caption_prob=0.5)
-    engine.generate([Request(e.image, e.question, 64) for e in examples])
+    engine.generate([Request(e.image, e.question, 64) for e in examples], prepare_all_first=True)  # fixed batches
     data = []
     for seq_id, seq in engine.proposer.seqs.items():
         feats = torch.cat(engine.proposer.features[seq_id])
