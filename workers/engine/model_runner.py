@@ -178,6 +178,8 @@ class ModelRunner:
         sampling = s.seq.sampling
         if sampling.temperature == 0 and not proposal:
             return [int(logits[0].argmax())]
+        if draft_probs is not None:
+            draft_probs = draft_probs[:len(proposal)]  # the scheduler may have kept only the first ones
         return verify(logits, proposal, draft_probs, sampling.temperature, self._generator(s.seq))
 
     def _generator(self, seq: Sequence) -> torch.Generator:
