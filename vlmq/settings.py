@@ -204,6 +204,9 @@ class Settings:
     affinity_ttl: int = _setting(30, WORKER, "seconds a worker's heartbeat, cache counters and hot-image routes "
                                  "live unless renewed (renewed every third of it); a dead worker's own queue "
                                  "drains back to the shared queue after it")
+    speculative: str = _setting("", WORKER, "speculative decoding in the engine backend: `ngram`, `draft:<path>` "
+                                "(a small text LM with the model's tokenizer; relative to the model folder) or "
+                                "`head` (the model folder's `spec-head`)", shown="off")
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
@@ -217,6 +220,9 @@ class Settings:
             raise ValueError(f"storage_url must be s3://bucket/prefix or file:///dir, got {self.storage_url!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        kind, sep, path = self.speculative.partition(":")
+        if self.speculative and (kind not in ("ngram", "draft", "head") or (kind == "draft") != bool(sep and path)):
+            raise ValueError(f"speculative must be ngram, draft:<path> or head, got {self.speculative!r}")
         if min(self.shutdown_grace, self.storage_retry, self.retention) < 0:
             raise ValueError("shutdown_grace, storage_retry and retention must not be negative")
         if not 0 <= self.metrics_port < 65536:

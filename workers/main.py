@@ -95,7 +95,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
 
         kv_store = store_from_settings(settings, spec.name, model_dir(spec), storage)
     backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
-                           kv_store=kv_store)
+                           kv_store=kv_store, speculative=settings.speculative or None)
     redis = redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3)
     fleet = FleetReporter(redis, settings, spec.name, name, classes, backend.cache_stats)
     # the worker's own queues (affinity routing) cost what the shared queue of their class costs
@@ -227,7 +227,8 @@ def main_from_args(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in (("device", args.device), ("worker_classes", args.classes),
                                    ("worker_budget", args.budget), ("worker_batch", args.batch),
-                                   ("backend", args.backend), ("log_format", args.log_format)) if v is not None}
+                                   ("backend", args.backend), ("log_format", args.log_format),
+                                   ("speculative", args.speculative)) if v is not None}
     settings = Settings.from_env(**overrides)
     name = args.name or default_name()
     logs.configure(settings.log_format, "supervisor:" + name if args.gpus else name)

@@ -19,10 +19,12 @@ from vlmq.storage import open_storage
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.backends.engine import EngineBackend
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
+from vlmq.workers.engine.spec_decode import SpecConfig
 from vlmq.workers.kvstore import KVStore, KVStoreConfig, weights_identity
 from vlmq.workers.models.processor import load_processor, render_prompt
 
 TARGET = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
+DRAFT = TARGET.parent / "tiny-shapes-draft"
 TEST_SEED = 9  # held out from training (see the model's README)
 MAX_NEW = 32
 NUM_FRESH, NUM_SAME_IMAGE, NUM_REPEATS = 80, 14, 6
@@ -159,6 +161,43 @@ def test_preemption_keeps_outputs_identical(model_dir, workload, reference):
     assert engine.stats.num_preemptions > 0  # the budget really was too small for the batch
     check_outputs(outputs, small, reference)
     engine.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", f"draft:{DRAFT}", "head"], ids=["ngram", "draft", "head"])
+def test_speculative_greedy_equals_transformers_with_caches_and_preemption(model_dir, workload, reference, method):
+    """Proposals verified in (k+1)-token chunks change no token: the whole workload at once, prefix and encoder
+    caches on, a KV budget that forces preemption, max_k proposals at every batch size (fixed k: deterministic)."""
+    spec = SpecConfig(method, max_batch=10_000, adaptive=False)
+    engine = Engine.from_model_dir(model_dir, num_blocks=30, speculative=spec)
+    outputs = engine.generate([Request(img, q, MAX_NEW) for img, q in workload], prepare_all_first=True)
+    check_outputs(outputs, workload, reference)
+    stats, spec = engine.stats, engine.stats.speculative
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0 and stats.encoder_cache_hits > 0
+    assert spec.num_proposed > spec.num_accepted > 0 and spec.tokens_per_forward > 1
+    free = engine.scheduler.block_manager.num_free_blocks
+    assert free == engine.config.num_blocks  # every block back, rejected proposals' included
+    engine.close()
+
+
+def test_speculative_sampling_draws_like_plain_sampling(model_dir, workload):
+    """The whole engine at temperature 1.5 (per-request seeds): the tokens drawn with draft-model proposals (drawn
+    from the draft, verified by rejection sampling) and without follow one law (chi-square, p = 0.01)."""
+    from test_speculative import two_sample_p
+
+    image, question = next((img, q) for img, q in workload if q.startswith("Describe"))
+    requests = [Request(image, question, 3, ignore_eos=True, temperature=1.5, seed=i) for i in range(600)]
+    draws = {}
+    for spec in (None, SpecConfig(f"draft:{DRAFT}", max_batch=10_000, adaptive=False)):
+        engine = Engine.from_model_dir(model_dir, num_blocks=1024, max_num_seqs=256, speculative=spec)
+        draws[spec is None] = [tuple(o.token_ids) for o in engine.generate(requests)]
+        if spec is not None:
+            assert engine.stats.speculative.num_proposed > engine.stats.speculative.num_accepted > 0
+        engine.close()
+    plain, spec = draws[True], draws[False]
+    assert len({t[1:] for t in plain}) >= 5  # a spread-out law, not one answer
+    for part in (slice(0, 1), slice(1, 3)):  # the first token (no proposals yet), then the next two
+        p = two_sample_p([t[part] for t in plain], [t[part] for t in spec])
+        assert p > 0.01, (part, p)
 
 
 def test_backend_serves_genrequests(model_dir, workload, reference):

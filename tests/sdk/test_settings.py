@@ -101,7 +101,8 @@ def test_every_setting_round_trips_through_the_environment() -> None:
                        webhook_timeout=2.5, webhook_concurrency=3, webhook_inline_max=4, webhook_poll=0.25,
                        fake_gpus="0,1", metrics_port=9100, worker_events=True, log_format="json",
                        kv_archive=0, kv_archive_bytes=19, kv_archive_quant="tiny=int8", kv_host_bytes=20,
-                       kv_disk_dir="/d", kv_disk_bytes=21, affinity=False, affinity_queue_bound=19, affinity_ttl=20)
+                       kv_disk_dir="/d", kv_disk_bytes=21, affinity=False, affinity_queue_bound=19, affinity_ttl=20,
+                       speculative="ngram")
     defaults = Settings()
     assert all(getattr(changed, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(Settings))
     env = changed.to_env()
@@ -128,3 +129,11 @@ def test_kv_archive_quantisation_is_per_model() -> None:
     assert (per_model.kv_quant("tiny"), per_model.kv_quant("big"), per_model.kv_quant("other")) == ("int8", "fp8", "")
     with pytest.raises(ValueError, match="kv_archive_quant must be int8, fp8 or name=int8"):
         Settings.from_env({"VLMQ_KV_ARCHIVE_QUANT": "int4"})
+
+
+def test_speculative_setting_is_checked() -> None:
+    assert Settings.from_env({"VLMQ_SPECULATIVE": "draft:../draft"}).speculative == "draft:../draft"
+    assert Settings.from_env({}).speculative == ""
+    for bad in ("eagle", "draft", "ngram:x"):
+        with pytest.raises(ValueError, match="speculative"):
+            Settings.from_env({"VLMQ_SPECULATIVE": bad})

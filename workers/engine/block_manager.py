@@ -142,12 +142,24 @@ class BlockManager:
         """Drop seq's blocks; its KV is gone (num_computed_tokens = 0), cached blocks stay reusable."""
         # Tail first, so a sequence's first blocks (the most shared prefix) are evicted last.
         for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0
-            if self.ref_counts[block_id] == 0:
-                self.free_blocks[block_id] = None
-                if self.block_hash[block_id] is None:
-                    self.free_blocks.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks holding seq's first `num_tokens` tokens (speculative decoding: the slots of
+        rejected proposals). The dropped blocks were never full of computed KV, so they carry no prefix hash."""
+        keep = num_blocks_for(num_tokens, self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            assert self.block_hash[block_id] is None
+            self._release(block_id)
+        del seq.block_table[keep:]
+
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0
+        if self.ref_counts[block_id] == 0:
+            self.free_blocks[block_id] = None
+            if self.block_hash[block_id] is None:
+                self.free_blocks.move_to_end(block_id, last=False)

@@ -8,6 +8,11 @@
 Preprocessing (chat template, tokenizer, fast image preprocessing, pixel hash; intake.py) runs on a thread pool;
 prepared requests join the scheduler at the start of a step, so the model waits for it only when it has nothing
 to run.
+
+Speculative decoding (`speculative="ngram" | "draft:<path>" | "head"`): before each step a proposer guesses the
+next tokens of the decoding sequences (proposers.py, spec_head.py; how many: spec_decode.AdaptiveK); the scheduler
+runs each guess as a (k+1)-token chunk, the runner keeps what the target agrees with (spec_decode.verify: greedy
+outputs unchanged, sampled ones exactly the target's law), and the rejected tokens' KV slots are released.
 """
 from __future__ import annotations
 
@@ -32,8 +37,10 @@ from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .kv_budget import kv_cache_num_blocks
 from .kv_tiers import KVTiers
 from .model_runner import ModelRunner
+from .proposers import Proposer, make_proposer
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence
+from .spec_decode import AdaptiveK, SpecConfig, SpecStats
 from .tiling import TilingPreprocessor, image_preprocessor_for
 
 __all__ = ["Engine", "EngineStats", "Request", "RequestOutput", "default_model_id"]
@@ -61,6 +68,7 @@ class EngineStats:
     encoder_cache_misses: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefix_cache_query_tokens: int = 0
+    speculative: SpecStats = field(default_factory=SpecStats)  # proposals, acceptance, tokens per target forward
     # seconds per phase of step(); "wait_preprocess" is time the step loop waited for preprocessing
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("wait_preprocess", "schedule", "execute", "update"), 0.0))
@@ -69,10 +77,11 @@ class EngineStats:
 class Engine:
     def __init__(self, model, processor, config: EngineConfig, *, device: str | torch.device = "cpu",
                  model_id: str = "model", eos_token_ids: tuple[int, ...] = (), share_encoder_outputs: bool = True,
-                 num_preprocess_threads: int = 1, kv_store: KVStore | None = None) -> None:
+                 num_preprocess_threads: int = 1, kv_store: KVStore | None = None, proposer: Proposer | None = None,
+                 spec_config: SpecConfig | None = None) -> None:
         self._args = (model, processor, config, dict(device=device, model_id=model_id, eos_token_ids=eos_token_ids,
                       share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads,
-                      kv_store=kv_store))
+                      kv_store=kv_store, proposer=proposer, spec_config=spec_config))
         self.config = config
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config, self.scheduler.encoder_cache, device)
@@ -91,6 +100,14 @@ class Engine:
         if kv_store is not None:
             self.tiers = KVTiers(kv_store, self.scheduler, self.runner, self.runner.kv_caches[0][0].dtype)
             self.tiers.wake = lambda: self._ready.put(("", None))
+        self.proposer = proposer  # speculative decoding (None: off)
+        if proposer is not None:
+            proposer.reset()
+            self.stats.speculative.proposer = proposer.name
+            cfg = spec_config
+            self.adaptive_k = AdaptiveK(cfg.max_k, cfg.max_batch, adaptive=cfg.adaptive) if cfg else AdaptiveK()
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        self._propose_cost = (0.0, 0)  # CPU seconds the proposer took this step, for this many proposals
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", *,
@@ -98,8 +115,12 @@ class Engine:
                        share_encoder_outputs: bool = True, num_preprocess_threads: int = 1,
                        kv_cache_bytes: int | None = None, kv_cache_memory_fraction: float | None = None,
                        max_model_len: int | None = None, kv_store: KVStore | None = None,
+                       speculative: str | SpecConfig | None = None,
                        **config: Any) -> Engine:
         """Load model, processor and generation config; `config` holds EngineConfig fields.
+
+        speculative: "ngram", "draft:<path>" (a text-only causal LM with the same tokenizer) or "head" (the
+        model folder's `spec-head`), or a SpecConfig; None: off.
 
         The KV cache has `num_blocks` blocks, or as many as fit in `kv_cache_bytes`, or (CUDA only) in
         `kv_cache_memory_fraction` of the device memory free once the weights are loaded; a budget must hold
@@ -124,11 +145,13 @@ class Engine:
                                              kv_cache_memory_fraction, max_model_len)
             engine_config = replace(engine_config, num_blocks=num_blocks)
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        spec = SpecConfig(speculative) if isinstance(speculative, str) else speculative
+        proposer = make_proposer(spec.method, model_dir, model, engine_config, device, dtype) if spec else None
         return cls(model, processor, engine_config, device=device,
                    model_id=model_id or default_model_id(model_dir),
                    eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                    share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads,
-                   kv_store=kv_store)
+                   kv_store=kv_store, proposer=proposer, spec_config=spec)
 
     def add_request(self, request: Request, request_id: str | None = None) -> str:
         request_id = request_id if request_id is not None else f"req-{self._num_added}"
@@ -174,16 +197,23 @@ class Engine:
         self._admit()
         t1 = time.perf_counter()
         if self.scheduler.has_unfinished:
+            self._propose()
             out = self.scheduler.schedule()
             if self.tiers is not None:
                 self.tiers.before_execute()
-            t2 = time.perf_counter()
-            runner_out = self.runner.execute(out)
-            t3 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.thread_time()
+            runner_out = self.runner.execute(out, self._draft_probs) if self._draft_probs else self.runner.execute(out)
+            t3, c3 = time.perf_counter(), time.thread_time()
             if self.tiers is not None:
                 self.tiers.after_execute(out)
+            before = {s.seq_id: s.seq.num_completion_tokens for s in out.scheduled if s.sample and not s.is_prefill}
             finished = self.scheduler.update(runner_out)
             self._after_step(out, finished, t3)
+            self._count_speculation(out, runner_out, before)
+            if self.proposer is not None:
+                decode_only = not out.encoder_inputs and not any(s.is_prefill for s in out.scheduled)
+                self.adaptive_k.observe_cost(*self._propose_cost, c3 - c2, out.num_scheduled_tokens, decode_only)
+                self.proposer.observe(out, runner_out, self.runner.last_hidden)
             marks = (t0, t1, t2, t3, time.perf_counter())
             for name, a, b in zip(self.stats.timings, marks[:-1], marks[1:], strict=True):
                 self.stats.timings[name] += b - a
@@ -239,6 +269,41 @@ class Engine:
         meta = self._meta[seq.seq_id]
         meta.prompt_tokens, meta.image_tokens = seq.num_prompt_tokens, sum(img.num_tokens for img in seq.images)
 
+    def _propose(self) -> None:
+        # proposals for this step's decodes; the scheduler keeps those that fit, the runner verifies them
+        self._draft_probs, self._propose_cost = {}, (0.0, 0)
+        if self.proposer is None:
+            return
+        decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
+        for seq in decodes:
+            seq.spec_token_ids = []  # proposals live for one step (with their laws in self._draft_probs)
+        ks = [self.adaptive_k.k_for(s.seq_id, len(decodes), s.sampling.max_new_tokens - s.num_completion_tokens)
+              for s in decodes]
+        chosen = [(s, k) for s, k in zip(decodes, ks, strict=True) if k > 0]
+        if not chosen:
+            return
+        t0 = time.thread_time()  # CPU time of this thread: what other processes run does not count
+        proposals = self.proposer.propose([s for s, _ in chosen], [k for _, k in chosen])
+        # a sequence's first proposals also read its whole prompt: a one-off, not the cost per proposal
+        if all(s.num_completion_tokens > 1 for s, _ in chosen):
+            self._propose_cost = (time.thread_time() - t0, sum(k for _, k in chosen))
+        for (seq, _), p in zip(chosen, proposals, strict=True):
+            seq.spec_token_ids = p.token_ids
+            if p.probs is not None and p.token_ids:
+                self._draft_probs[seq.seq_id] = p.probs
+
+    def _count_speculation(self, out, runner_out, before: dict) -> None:
+        st = self.stats.speculative
+        for s in out.scheduled:
+            if s.seq_id in before:
+                accepted = len(runner_out.more_token_ids.get(s.seq_id, ()))
+                st.num_decode_forwards += 1
+                st.num_decode_tokens += s.seq.num_completion_tokens - before[s.seq_id]  # past an eos: not emitted
+                st.num_proposed += s.num_spec_tokens
+                st.num_accepted += accepted
+                if self.proposer is not None:
+                    self.adaptive_k.observe(s.seq_id, s.num_spec_tokens, accepted)
+
     def _after_step(self, out, finished: list[Sequence], now: float) -> None:
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted_seq_ids)
@@ -257,6 +322,9 @@ class Engine:
     def _finish(self, request_id: str, reason: FinishReason, seq: Sequence | None = None,
                 error: Exception | None = None) -> None:
         out = self._meta.pop(request_id)
+        if self.proposer is not None:
+            self.proposer.drop(request_id)
+            self.adaptive_k.forget(request_id)
         ids = seq.completion_token_ids if seq is not None else []
         if reason is FinishReason.STOP and ids and ids[-1] in self.eos_token_ids:
             ids = ids[:-1]

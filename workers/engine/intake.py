@@ -30,6 +30,7 @@ class Request:
     ignore_eos: bool = False  # generate exactly max_new_tokens
     priority: int = 0  # 0 runs first
     temperature: float = 0.0  # 0 = greedy
+    seed: int | None = None  # sampling: the request's own random stream, reproducible whatever it is batched with
     max_text_tokens: int | None = None  # bound on text prompt tokens (all but image tokens) + max_new_tokens
 
 
@@ -75,7 +76,8 @@ class Preprocessor:
         if req.image is None:
             raise RequestRejected("a request needs an image (PIL RGB); text-only prompts are not supported",
                                   "invalid_image")
-        sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature)
+        sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature,
+                                  req.seed)
         check_text_tokens(len(self.prompt_ids(req.question)) - 1, req)
         try:
             pixel_values, grid_thw = self.image_preprocessor([req.image])  # patches [P, D] or tiles [T, 3, S, S]

@@ -6,7 +6,8 @@ Per step (see testing.FakeRunner for the contract):
 2. the scheduled chunks are flattened into one token batch with the model's positions (computed once per request
    by `model.prompt_positions` at intake), slot mapping, block tables and context lengths, and run through the LM
    in one forward;
-3. the last row of every chunk with `sample=True` goes through the LM head and is sampled.
+3. the last row of every chunk with `sample=True` goes through the LM head and is sampled; a decode that carries
+   proposals (speculative decoding) has its last 1 + k rows verified instead (spec_decode.verify).
 
 Image rows are filled from the encoder cache by the sequences' `ImagePlaceholder` spans, not by matching
 the image-pad token id: a generated token that happens to be `<|image_pad|>` is text (as in transformers,
@@ -26,6 +27,7 @@ from .config import EngineConfig
 from .encoder_cache import EncoderCache
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .sequence import SeqId, Sequence
+from .spec_decode import verify
 
 
 @dataclass(slots=True)
@@ -55,6 +57,8 @@ class ModelRunner:
         self.kv_caches = model.make_kv_caches(config.num_blocks, config.block_size, dtype=dtype, device=self.device)
         self.inputs: dict[SeqId, SeqInputs] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generators: dict[SeqId, torch.Generator] = {}  # requests with their own seed
+        self.last_hidden: torch.Tensor | None = None  # [T, hidden] of the last step
         self.num_encoded_images = 0
         self.num_encoder_calls = 0
         self.timings = {"encode": 0.0, "prepare": 0.0, "forward": 0.0}  # seconds, for benchmarks
@@ -70,18 +74,31 @@ class ModelRunner:
     def drop(self, seq_ids: list[SeqId]) -> None:
         for seq_id in seq_ids:
             self.inputs.pop(seq_id, None)
+            self.generators.pop(seq_id, None)
 
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, draft_probs: dict[SeqId, torch.Tensor] | None = None) -> RunnerOutput:
+        """draft_probs: for sequences whose proposals were sampled, the laws they were drawn from ([k, vocab])."""
         hidden = self.forward(out)  # [T, hidden]
+        self.last_hidden = hidden  # for a proposer that reads the target's hidden states
         ends = list(accumulate(s.num_new_tokens for s in out.scheduled))
-        rows = [end - 1 for s, end in zip(out.scheduled, ends, strict=True) if s.sample]
-        if not rows:
+        sampled = [(s, end) for s, end in zip(out.scheduled, ends, strict=True) if s.sample]
+        if not sampled:
             return RunnerOutput()
-        seqs = [s.seq for s in out.scheduled if s.sample]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()  # [S, vocab]
-        return RunnerOutput({seq.seq_id: t for seq, t in zip(seqs, self._sample(logits, seqs), strict=True)})
+        # rows: the last prompt/decode token, then every proposal (its logits verify the next proposal)
+        rows = [r for s, end in sampled for r in range(end - 1 - s.num_spec_tokens, end)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()  # [R, vocab]
+        result, draft_probs = RunnerOutput(), draft_probs or {}
+        row = 0
+        for s, _ in sampled:
+            n = 1 + s.num_spec_tokens
+            new = self._sample(logits[row:row + n], s, draft_probs.get(s.seq_id))
+            row += n
+            result.sampled_token_ids[s.seq_id] = new[0]
+            if len(new) > 1:
+                result.more_token_ids[s.seq_id] = new[1:]
+        return result
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
@@ -163,14 +180,21 @@ class ModelRunner:
             [s.block_table for s in scheduled], self.config.block_size, self.device,
             slot_mapping=[slot for s in scheduled for slot in s.slot_mapping])
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        # logits: [S, vocab] float32 -> one token per row; greedy rows take the argmax
-        tokens = logits.argmax(-1)
-        temps = [seq.sampling.temperature for seq in seqs]
-        if any(temps):
-            t = torch.tensor([x or 1.0 for x in temps], device=logits.device)[:, None]
-            probs = torch.softmax(logits / t, dim=-1)
-            drawn = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
-            greedy = torch.tensor([x == 0 for x in temps], device=logits.device)
-            tokens = torch.where(greedy, tokens, drawn)
-        return tokens.tolist()
+    def _sample(self, logits: torch.Tensor, s: ScheduledSeq, draft_probs: torch.Tensor | None) -> list[int]:
+        # logits: [1 + k, vocab] float32 at the last token and each of the k proposals -> 1 to k + 1 tokens
+        proposal = s.token_ids[len(s.token_ids) - s.num_spec_tokens:]
+        sampling = s.seq.sampling
+        if sampling.temperature == 0 and not proposal:
+            return [int(logits[0].argmax())]
+        if draft_probs is not None:
+            draft_probs = draft_probs[:len(proposal)]  # the scheduler may have kept only the first ones
+        return verify(logits, proposal, draft_probs, sampling.temperature, self._generator(s.seq))
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        # a seeded request draws from its own stream, so its samples do not depend on what it is batched with
+        if seq.sampling.seed is None:
+            return self.generator
+        gen = self.generators.get(seq.seq_id)
+        if gen is None:
+            gen = self.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(seq.sampling.seed)
+        return gen

@@ -9,13 +9,16 @@ from .sequence import SeqId, Sequence
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence  # the live sequence: images, sampling params, full token_ids
-    num_new_tokens: int  # tokens to run this step: a prefill chunk or 1 decode token
+    num_new_tokens: int  # tokens to run this step: a prefill chunk, or 1 decode token + num_spec_tokens
     start: int  # position of the first new token = tokens whose KV is already cached
-    token_ids: list[int]  # seq.token_ids[start : start + num_new_tokens]
+    token_ids: list[int]  # seq.token_ids[start:] + the proposed tokens (a prefill chunk has none)
     block_table: list[int]  # KV blocks covering positions [0, start + num_new_tokens)
     slot_mapping: list[int]  # KV slot for each new token: block_table[p // block_size] * block_size + p % block_size
     num_cached_tokens: int  # prefix-cache hit tokens; > 0 only on the step a sequence is (re)admitted
     sample: bool  # the chunk reaches the last known token: sample the next token from its logits
+    # proposals to verify (the last num_spec_tokens of token_ids; speculative decoding): the runner samples at
+    # each of the 1 + num_spec_tokens rows and keeps the longest prefix the target agrees with, plus one token
+    num_spec_tokens: int = 0
 
     @property
     def seq_id(self) -> SeqId:
@@ -23,7 +26,7 @@ class ScheduledSeq:
 
     @property
     def is_prefill(self) -> bool:
-        return self.start < self.seq.num_prompt_tokens or self.num_new_tokens > 1
+        return self.start < self.seq.num_prompt_tokens or self.num_new_tokens > 1 + self.num_spec_tokens
 
 
 @dataclass(slots=True)
@@ -59,3 +62,6 @@ class SchedulerOutput:
 class RunnerOutput:
     # One sampled token per scheduled sequence with sample=True (none for mid-prompt chunks).
     sampled_token_ids: dict[SeqId, int] = field(default_factory=dict)
+    # Speculative decoding: the tokens after the sampled one, i.e. the accepted proposals but the first, then the
+    # bonus token. len(...) = accepted proposals <= num_spec_tokens; absent when none was accepted.
+    more_token_ids: dict[SeqId, list[int]] = field(default_factory=dict)

@@ -132,23 +132,40 @@ class Scheduler:
         step, self._in_flight = self._in_flight, None
         if step is None:
             raise RuntimeError("update() without a scheduled step; call schedule() first")
-        sampled = output.sampled_token_ids if isinstance(output, RunnerOutput) else output
+        sampled, more = (output.sampled_token_ids, output.more_token_ids) if isinstance(output, RunnerOutput) \
+            else (output, {})
         finished = []
         for s in step.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted after schedule()
                 continue
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.spec_token_ids = []
+            num_appended = 0
+            for token in self._take_tokens(s, sampled, more) if s.sample else ():
+                seq.append_token(token)
+                num_appended += 1
+                if seq.is_finished:  # an eos or the length limit: later tokens are dropped
+                    break
+            # KV is valid for the chunk up to the last appended proposal; a rejected proposal's slot is released
+            seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + max(0, num_appended - 1)
+            if s.num_spec_tokens:
+                self.block_manager.truncate(seq, seq.num_computed_tokens)
             self.block_manager.cache_blocks(seq)
             self._release_encoded_images(seq)
-            if s.sample:
-                if seq.seq_id not in sampled:
-                    raise KeyError(f"runner output has no token for sequence {seq.seq_id!r}")
-                seq.append_token(sampled[seq.seq_id])
-                if seq.is_finished:
-                    self._finish(seq)
-                    finished.append(seq)
+            if seq.is_finished:
+                self._finish(seq)
+                finished.append(seq)
         return finished
+
+    @staticmethod
+    def _take_tokens(s: ScheduledSeq, sampled: Mapping[SeqId, int], more: Mapping[SeqId, list[int]]) -> list[int]:
+        if s.seq_id not in sampled:
+            raise KeyError(f"runner output has no token for sequence {s.seq_id!r}")
+        new = [sampled[s.seq_id], *more.get(s.seq_id, ())]
+        if len(new) > 1 + s.num_spec_tokens:
+            raise ValueError(f"runner output has {len(new)} tokens for sequence {s.seq_id!r}, which verified "
+                             f"{s.num_spec_tokens} proposals")
+        return new
 
     # -- internals ----------------------------------------------------------------------------
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
@@ -160,16 +177,26 @@ class Scheduler:
             plan = self._plan(seq, seq.num_computed_tokens, budget)
             if plan.num_new_tokens == 0:
                 continue
-            if self._make_room(seq, plan.num_new_tokens, pending, budget, out):
-                self.block_manager.append_slots(seq, plan.num_new_tokens)
-                self._commit(seq, plan, budget, out)
+            spec = self._fit_proposals(seq, plan, budget)
+            if self._make_room(seq, plan.num_new_tokens + len(spec), pending, budget, out):
+                self.block_manager.append_slots(seq, plan.num_new_tokens + len(spec))
+                self._commit(seq, plan, budget, out, spec=spec)
+
+    def _fit_proposals(self, seq: Sequence, plan: ChunkPlan, budget: _Budget) -> list[int]:
+        # A decode verifies its proposals only if they fit the token budget and free blocks as they are: they
+        # never cost another sequence its place (no preemption for them).
+        spec = seq.spec_token_ids[:budget.tokens - 1] if seq.num_tokens - seq.num_computed_tokens == 1 else []
+        if spec and not self.block_manager.can_append(seq, 1 + len(spec)):
+            spec = []
+        seq.spec_token_ids = spec
+        return spec
 
     def _make_room(self, seq: Sequence, num_new_tokens: int, pending: list[Sequence], budget: _Budget,
                    out: SchedulerOutput) -> bool:
         # Candidates: seq itself, unprocessed running ones, and decodes already scheduled this step
         # (cheap to take back: one token, no encoder work). The worst-ranked goes first.
         while not self.block_manager.can_append(seq, num_new_tokens):
-            decoded = [s.seq for s in out.scheduled if s.num_new_tokens == 1 and not s.is_prefill]
+            decoded = [s.seq for s in out.scheduled if not s.is_prefill]
             victim = max([seq, *pending, *decoded], key=self.rank)
             if victim in pending:
                 pending.remove(victim)
@@ -201,8 +228,9 @@ class Scheduler:
                           self.config.encoder_bytes_per_token)
 
     def _commit(self, seq: Sequence, plan: ChunkPlan, budget: _Budget, out: SchedulerOutput,
-                num_cached_tokens: int = 0) -> None:
-        cache, start, n = self.encoder_cache, seq.num_computed_tokens, plan.num_new_tokens
+                num_cached_tokens: int = 0, spec: list[int] | None = None) -> None:
+        cache, start, spec = self.encoder_cache, seq.num_computed_tokens, spec or []
+        n = plan.num_new_tokens + len(spec)
         for i in plan.hits:  # hold hits first so reserving below cannot evict them
             if not cache.holds(seq.images[i].content_hash, seq.seq_id):
                 cache.acquire(seq.images[i].content_hash, seq.seq_id)
@@ -214,16 +242,16 @@ class Scheduler:
             out.num_encoder_patches += img.num_patches
             budget.patches -= img.num_patches
         out.scheduled.append(ScheduledSeq(
-            seq=seq, num_new_tokens=n, start=start, token_ids=seq.token_ids[start:start + n],
+            seq=seq, num_new_tokens=n, start=start, token_ids=seq.token_ids[start:start + plan.num_new_tokens] + spec,
             block_table=list(seq.block_table),
             slot_mapping=slot_mapping(seq.block_table, self.config.block_size, start, start + n),
             num_cached_tokens=num_cached_tokens,
-            sample=start + n == seq.num_tokens))
+            sample=start + plan.num_new_tokens == seq.num_tokens, num_spec_tokens=len(spec)))
         out.num_scheduled_tokens += n
         budget.tokens -= n
 
     def _unschedule(self, seq: Sequence, budget: _Budget, out: SchedulerOutput) -> None:
-        # Only single-token decodes are taken back: no encoder work to undo.
+        # Only decodes (with their proposals) are taken back: no encoder work to undo.
         (s,) = [s for s in out.scheduled if s.seq is seq]
         out.scheduled.remove(s)
         out.num_scheduled_tokens -= s.num_new_tokens
@@ -233,6 +261,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self.encoder_cache.release_all(seq.seq_id)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
         bisect.insort(self.waiting, seq, key=self.rank)
         out.preempted_seq_ids.append(seq.seq_id)

@@ -65,6 +65,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     eos_token_ids: tuple[int, ...] = ()
     temperature: float = 0.0  # 0 = greedy; read by the runner's sampler, not the scheduler
+    seed: int | None = None  # the request's own random stream (None: the runner's shared one)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.temperature < 0:
@@ -74,7 +75,7 @@ class SamplingParams:
 class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "images", "sampling", "priority",
                  "arrival_step", "status", "num_computed_tokens", "num_cached_tokens", "block_table",
-                 "block_hashes")
+                 "block_hashes", "spec_token_ids")
 
     def __init__(self, seq_id: SeqId, token_ids: list[int], *, images: tuple[ImagePlaceholder, ...] = (),
                  sampling: SamplingParams | None = None, priority: int = 0) -> None:
@@ -99,6 +100,8 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, tokens taken from the prefix cache at the last admission
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of token_ids, filled lazily
+        # proposed next tokens (speculative decoding) for the coming step; never part of token_ids until verified
+        self.spec_token_ids: list[int] = []
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "

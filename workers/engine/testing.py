@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 
 from .block_manager import slot_mapping
 from .encoder_cache import EncoderCache
-from .outputs import RunnerOutput, SchedulerOutput
+from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .scheduler import Scheduler
 from .sequence import ImagePlaceholder, SeqId, Sequence
 
@@ -61,22 +61,30 @@ class FakeRunner:
         for enc in out.encoder_inputs:  # all encoder work first, then the LM "forward"
             self.encoder_cache.put(enc.key, encode_image(seqs[enc.seq_id].images[enc.image_index]))
             self.num_encoded_images += 1
-        sampled = {}
+        result = RunnerOutput()
         for s in out.scheduled:
             end = s.start + s.num_new_tokens
-            assert s.token_ids == s.seq.token_ids[s.start:end]
+            assert s.token_ids == s.seq.token_ids[s.start:end - s.num_spec_tokens] + s.seq.spec_token_ids
             for pos, slot in zip(range(s.start, end), s.slot_mapping, strict=True):
-                self.kv[slot] = (pos, self._feature(s.seq, pos))
-            if s.sample:
-                sampled[s.seq_id] = next_token(self._read_context(s.block_table, end), self.vocab_size)
-        return RunnerOutput(sampled)
+                self.kv[slot] = (pos, self._feature(s, pos))
+            if s.sample:  # greedy verification: keep proposals while they equal the next token, plus one
+                proposals, new = s.token_ids[s.num_new_tokens - s.num_spec_tokens:], []
+                for i in range(s.num_spec_tokens + 1):
+                    new.append(next_token(self._read_context(s.block_table, end - s.num_spec_tokens + i),
+                                          self.vocab_size))
+                    if i == s.num_spec_tokens or new[-1] != proposals[i]:
+                        break
+                result.sampled_token_ids[s.seq_id] = new[0]
+                if len(new) > 1:
+                    result.more_token_ids[s.seq_id] = new[1:]
+        return result
 
-    def _feature(self, seq: Sequence, pos: int) -> Feature:
-        for img in seq.images:
+    def _feature(self, s: ScheduledSeq, pos: int) -> Feature:
+        for img in s.seq.images:
             if img.offset <= pos < img.end:
                 features: tuple[Feature, ...] = self.encoder_cache.get(img.content_hash)  # raises if not encoded
                 return features[pos - img.offset]
-        return ("tok", seq.token_ids[pos])
+        return ("tok", s.token_ids[pos - s.start])
 
     def _read_context(self, block_table: list[int], num_tokens: int) -> list[Feature]:
         entries = [self.kv[slot] for slot in slot_mapping(block_table, self.block_size, 0, num_tokens)]

@@ -63,8 +63,12 @@ def load_model(
     with torch.device("meta"):
         model = cls(config)  # no memory and no random init; real storage comes next
     model = model.to(dtype=dtype).to_empty(device=device)
-    loaded = _copy_weights(model, files)
-    if _tied(config):
+    return tie_and_check(model, _copy_weights(model, files), _tied(config), model_dir)
+
+
+def tie_and_check(model: torch.nn.Module, loaded: set[str], tied: bool, model_dir: Path) -> torch.nn.Module:
+    """Tie the LM head to the embeddings if the config says so; raise ValueError if a weight was not loaded."""
+    if tied:
         model.lm_head.weight = model.language_model.embed_tokens.weight
         loaded.add("lm_head.weight")
     missing = set(dict(model.named_parameters(remove_duplicate=False))) - loaded
