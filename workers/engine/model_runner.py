@@ -23,6 +23,7 @@ import torch
 from vlmq.workers.layers.attention import AttentionMetadata
 
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .encoder_cache import EncoderCache
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .sequence import SeqId, Sequence
@@ -53,6 +54,7 @@ class ModelRunner:
         self.encoder_cache = encoder_cache
         self.device = torch.device(device)
         self.kv_caches = model.make_kv_caches(config.num_blocks, config.block_size, dtype=dtype, device=self.device)
+        self.decode_graphs = DecodeGraphs.for_runner(model, config, self.kv_caches, self.device)  # None on CPU
         self.inputs: dict[SeqId, SeqInputs] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.num_encoded_images = 0
@@ -99,7 +101,10 @@ class ModelRunner:
         x, lm_kwargs = self._embed(batch)  # [T, hidden]
         positions = torch.cat(batch.positions, dim=1).to(self.device)  # [R, T]
         t2 = time.perf_counter()
-        hidden = self.model.language_model(x, positions, meta, self.kv_caches, **lm_kwargs)  # [T, hidden]
+        graphs = self.decode_graphs if not lm_kwargs else None
+        hidden = graphs.run(x, positions, meta) if graphs is not None else None  # a decode step, replayed
+        if hidden is None:
+            hidden = self.model.language_model(x, positions, meta, self.kv_caches, **lm_kwargs)  # [T, hidden]
         t3 = time.perf_counter()
         for name, a, b in (("encode", t0, t1), ("prepare", t1, t2), ("forward", t2, t3)):
             self.timings[name] += b - a
