@@ -111,9 +111,9 @@ def build_model_dir(name: str, out_dir: Path, device: torch.device, dtype: torch
 
 
 def requests_at(size: tuple[int, int], batch: int, max_new: int) -> list[Request]:
-    # distinct images (no encoder/prefix cache hits), one size
-    return [Request(shapes.make_example((7, i), size=size, caption_prob=1.0).image, shapes.CAPTION_PROMPT, max_new,
-                    True) for i in range(batch)]
+    # distinct images, also across batch sizes (no encoder or prefix cache hits), all of one size
+    return [Request(shapes.make_example((7, batch, i), size=size, caption_prob=1.0).image, shapes.CAPTION_PROMPT,
+                    max_new, True) for i in range(batch)]
 
 
 def sync(device: torch.device) -> None:
@@ -201,7 +201,8 @@ def bench_model(name: str, args, device, dtype, tmp: Path) -> dict:
     processor = load_processor(model_dir)
     processor.tokenizer.padding_side = "left"
     hf = (AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval(), processor)
-    engine.generate(requests_at((128, 96), 2, 4))  # warm-up (Triton compiles, graph capture), untimed
+    for batch in args.batches:  # warm-up, untimed: Triton compiles, each batch size's CUDA graph is captured
+        engine.generate(requests_at((128, 96), batch, 4))
     out = dict(config=SHAPES[name], block_size=engine.config.block_size, num_kv_blocks=engine.config.num_blocks,
                resolutions=[bench_resolution(engine, hf, size, args, device) for size in args.resolutions])
     if args.num_mixed and name in args.mixed_models:
