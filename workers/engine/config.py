@@ -20,6 +20,8 @@ class EngineConfig:
     # Vision encoder output cache, bounded in bytes; an image's entry is num_tokens × encoder_bytes_per_token.
     encoder_cache_bytes: int = 256 * 2**20
     encoder_bytes_per_token: int = 3584 * 2  # hidden size × dtype size (Qwen2-VL-7B, bf16)
+    # CUDA only: decode steps of up to this many sequences replay a captured CUDA graph (cuda_graphs.py); 0 = off
+    cuda_graph_max_seqs: int = 64
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -27,6 +29,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.cuda_graph_max_seqs, int) or self.cuda_graph_max_seqs < 0:
+            raise ValueError(f"EngineConfig.cuda_graph_max_seqs must be an int >= 0, got {self.cuda_graph_max_seqs!r}")
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"EngineConfig.encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
         if not self.aging_rate >= 0:  # also rejects NaN

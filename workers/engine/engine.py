@@ -33,6 +33,8 @@ from vlmq.workers.models.loader import load_model
 from vlmq.workers.models.processor import load_processor
 
 from .config import EngineConfig
+from .cuda_profile import profiled_kv_bytes
+from .device_defaults import default_block_size, default_dtype, flash_attn_installed
 from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .kv_budget import kv_cache_num_blocks
 from .kv_tiers import KVTiers
@@ -123,14 +125,15 @@ class Engine:
         model folder's `spec-head`), or a SpecConfig; None: off.
 
         The KV cache has `num_blocks` blocks, or as many as fit in `kv_cache_bytes`, or (CUDA only) in
-        `kv_cache_memory_fraction` of the device memory free once the weights are loaded; a budget must hold
+        `kv_cache_memory_fraction` of the device memory free once the weights are loaded, less the activation peak
+        of a profiling forward at the largest step (cuda_profile.py); a budget must hold
         at least one `max_model_len`-token sequence (default: the model's max_position_embeddings).
         """
         sized = kv_cache_bytes is not None or kv_cache_memory_fraction is not None
         if sized and "num_blocks" in config:
             raise ValueError("give num_blocks or a KV cache budget (kv_cache_bytes or kv_cache_memory_fraction)")
         model_dir, device = Path(model_dir), torch.device(device)
-        dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        dtype = default_dtype(device.type, dtype)  # float32 on CPU, bfloat16 on CUDA (device_defaults.py)
         model = load_model(model_dir, device, dtype)
         # an image token's encoder output: the LM hidden size, wider where the family keeps more (DeepStack)
         width = getattr(model, "encoder_output_width", model.config.text_config.hidden_size)
@@ -139,7 +142,11 @@ class Engine:
         # the largest image the processor can produce must fit one step's encoder budget, or it is refused
         config.setdefault("max_num_encoder_patches", max(EngineConfig().max_num_encoder_patches,
                                                          largest_image_patches(processor.image_processor, model)))
+        config.setdefault("block_size", default_block_size(device.type, flash_attn_installed()))
         engine_config = EngineConfig(**config)
+        if kv_cache_memory_fraction is not None and device.type == "cuda":  # less a profiling forward's peak
+            kv_cache_bytes = profiled_kv_bytes(model, engine_config, device, kv_cache_memory_fraction)
+            kv_cache_memory_fraction = None
         if sized:
             num_blocks = kv_cache_num_blocks(model, device, engine_config.block_size, kv_cache_bytes,
                                              kv_cache_memory_fraction, max_model_len)

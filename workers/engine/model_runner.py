@@ -24,6 +24,7 @@ import torch
 from vlmq.workers.layers.attention import AttentionMetadata
 
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .encoder_cache import EncoderCache
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .sequence import SeqId, Sequence
@@ -55,6 +56,7 @@ class ModelRunner:
         self.encoder_cache = encoder_cache
         self.device = torch.device(device)
         self.kv_caches = model.make_kv_caches(config.num_blocks, config.block_size, dtype=dtype, device=self.device)
+        self.decode_graphs = DecodeGraphs.for_runner(model, config, self.kv_caches, self.device)  # None on CPU
         self.inputs: dict[SeqId, SeqInputs] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.generators: dict[SeqId, torch.Generator] = {}  # requests with their own seed
@@ -116,7 +118,10 @@ class ModelRunner:
         x, lm_kwargs = self._embed(batch)  # [T, hidden]
         positions = torch.cat(batch.positions, dim=1).to(self.device)  # [R, T]
         t2 = time.perf_counter()
-        hidden = self.model.language_model(x, positions, meta, self.kv_caches, **lm_kwargs)  # [T, hidden]
+        graphs = self.decode_graphs if not lm_kwargs else None
+        hidden = graphs.run(x, positions, meta) if graphs is not None else None  # a decode step, replayed
+        if hidden is None:
+            hidden = self.model.language_model(x, positions, meta, self.kv_caches, **lm_kwargs)  # [T, hidden]
         t3 = time.perf_counter()
         for name, a, b in (("encode", t0, t1), ("prepare", t1, t2), ("forward", t2, t3)):
             self.timings[name] += b - a
@@ -142,7 +147,10 @@ class ModelRunner:
             lo, hi = inp.patch_offsets[enc.image_index], inp.patch_offsets[enc.image_index + 1]
             pixels.append(inp.pixel_values[lo:hi])
             grids.append(inp.grid_thw[enc.image_index])
-        pixel_values = torch.cat(pixels).to(self.device)  # [P, C*Tp*p*p]
+        pixel_values = torch.cat(pixels)  # [P, C*Tp*p*p]
+        if self.device.type == "cuda":  # from pinned memory the copy is asynchronous (no staging through pageable)
+            pixel_values = pixel_values.pin_memory()
+        pixel_values = pixel_values.to(self.device, non_blocking=True)
         grid_thw = torch.stack(grids).to(self.device)  # [N, 3]
         embeds = self.model.encode_images(pixel_values, grid_thw)  # N x [n_i, hidden]
         for enc, emb in zip(out.encoder_inputs, embeds, strict=True):

@@ -9,7 +9,8 @@ Two entry points, both on flattened (packed) tokens:
 The CPU path is plain torch (`paged_torch`): the sequences of a step that have the same query length (all
 decodes, say) gather their blocks into one padded batch and run one masked SDPA, and sequences that share leading
 cache blocks attend to those once (cascade), merged by log-sum-exp. On CUDA: `vlmq.kernels` stores K/V by slot and
-runs decode-only steps (paged split-KV decode); other steps use flash-attn's paged varlen kernel when it is
+runs decode-only steps (paged split-KV decode; the cascade kernel, cascade_route.py, for groups sharing an image
+prefix, grouped as the CPU path groups them); other steps use flash-attn's paged varlen kernel when it is
 installed and the block size allows, else the same torch path without the cascade.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlmq.workers.layers.cascade_route import cascade_attention, route_for
 from vlmq.workers.layers.paged_torch import TorchPlan, torch_paged_attention
 
 try:  # optional GPU extra
@@ -49,6 +51,7 @@ class AttentionMetadata:
     cu_context_lens: torch.Tensor  # [S + 1] int32
     block_size: int
     torch_plan: TorchPlan | None = None  # the torch path's plan, built by the first layer and reused by the rest
+    cascade: object = None  # CUDA decode steps: cascade_route.route_for's route (False: none), built once
 
     @property
     def max_query_len(self) -> int:
@@ -118,6 +121,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's keys/values, rotary applied); returns [T, H, D]."""
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if _use_kernels(q) and meta.max_query_len == 1 and (route := route_for(meta)) is not None:
+        return cascade_attention(q, k_cache, v_cache, route, scale)  # groups sharing an image prefix
     if _use_kernels(q) and meta.max_query_len == 1:  # decode-only step: split-KV paged decode kernel
         context_lens = meta.cu_context_lens[1:] - meta.cu_context_lens[:-1]
         out, _ = _kernels.paged_decode_attention(

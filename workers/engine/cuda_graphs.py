@@ -1,0 +1,121 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use, replayed padded up.
+
+A decode step of S sequences replays the graph of the smallest bucket >= S; rows S.. of the bucket are padding:
+token 0 at position 0, context length 0 (the decode kernel returns zeros for an empty KV set), slot -1 (store_kv
+skips it) and an all-zero block table, so padding neither reads nor writes the cache. Block tables are padded to a
+fixed width (the longest sequence the cache can hold), and the captured kernel is sized for that context length.
+Steps with a prefill chunk, with a cascade group (cascade_route.py), wider than the buckets, or with extra LM
+inputs (DeepStack) run eagerly. `EngineConfig.cuda_graph_max_seqs = 0` turns graphs off.
+
+The bucket and padding logic is pure and tested on CPU; `DecodeGraphs` (capture and replay) runs on CUDA only and
+has not run on a GPU yet: scripts/gpu_check.sh runs the engine parity tests with graphs on and off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlmq.workers.layers.attention import AttentionMetadata
+from vlmq.workers.layers.cascade_route import route_for
+
+
+def graph_batch_sizes(max_seqs: int) -> tuple[int, ...]:
+    """Buckets 1, 2, 4, 8, then every 8 up to max_seqs (itself included); () when max_seqs is 0 (graphs off)."""
+    if max_seqs < 0:
+        raise ValueError(f"cuda_graph_max_seqs must be >= 0, got {max_seqs}")
+    sizes = {s for s in (1, 2, 4) if s <= max_seqs} | set(range(8, max_seqs + 1, 8))
+    return tuple(sorted(sizes | ({max_seqs} if max_seqs else set())))
+
+
+def pick_bucket(num_seqs: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding num_seqs rows, or None (run eagerly)."""
+    return next((s for s in sizes if s >= num_seqs), None)
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """A decode step's LM inputs padded to a bucket; the graph's static buffers have these shapes."""
+
+    x: torch.Tensor  # [B, hidden] input embeddings
+    positions: torch.Tensor  # [R, B] rotary positions
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    cu_context_lens: torch.Tensor  # [B + 1] int32
+    slot_mapping: torch.Tensor  # [B] int64, -1 on padding rows
+
+
+def pad_decode_batch(x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int,
+                     max_blocks: int) -> DecodeBatch:
+    """Pad a decode step (S <= bucket sequences of one token, tables at most max_blocks wide) to the bucket."""
+    num_seqs, width = meta.block_tables.shape
+    assert meta.max_query_len == 1 and num_seqs <= bucket and width <= max_blocks, (num_seqs, width, bucket)
+    pad = bucket - num_seqs
+    tables = torch.nn.functional.pad(meta.block_tables, (0, max_blocks - width, 0, pad))
+    cu = torch.cat([meta.cu_context_lens, meta.cu_context_lens[-1:].expand(pad)])  # empty KV on padding rows
+    slots = torch.cat([meta.slot_mapping, meta.slot_mapping.new_full((pad,), -1)])
+    return DecodeBatch(torch.nn.functional.pad(x, (0, 0, 0, pad)), torch.nn.functional.pad(positions, (0, pad)),
+                       tables, cu, slots)
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: DecodeBatch  # static buffers, refilled before each replay
+    out: torch.Tensor  # [B, hidden] static output
+
+
+class DecodeGraphs:
+    """Capture-once, replay-padded decode graphs of `model.language_model` (CUDA only)."""
+
+    def __init__(self, model, kv_caches, block_size: int, max_context_len: int, sizes: tuple[int, ...]) -> None:
+        self.lm, self.kv_caches, self.block_size, self.sizes = model.language_model, kv_caches, block_size, sizes
+        self.max_blocks = -(-max_context_len // block_size)
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None  # one memory pool shared by every bucket's graph
+
+    @classmethod
+    def for_runner(cls, model, config, kv_caches, device: torch.device) -> DecodeGraphs | None:
+        if device.type != "cuda" or not config.cuda_graph_max_seqs:
+            return None
+        max_len = min(model.config.text_config.max_position_embeddings, config.max_num_kv_tokens)
+        return cls(model, kv_caches, config.block_size, max_len, graph_batch_sizes(config.cuda_graph_max_seqs))
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states [S, hidden] from a graph replay, or None when this step runs eagerly."""
+        bucket = pick_bucket(len(meta.query_lens), self.sizes)
+        if (bucket is None or meta.max_query_len != 1 or meta.block_tables.shape[1] > self.max_blocks
+                or route_for(meta) is not None):
+            return None
+        graph = self.graphs.get(bucket) or self._capture(bucket, x, positions)
+        padded = pad_decode_batch(x, positions, meta, bucket, self.max_blocks)
+        for name in DecodeBatch.__slots__:
+            getattr(graph.inputs, name).copy_(getattr(padded, name), non_blocking=True)
+        graph.graph.replay()
+        return graph.out[:len(meta.query_lens)]
+
+    def _capture(self, bucket: int, x: torch.Tensor, positions: torch.Tensor) -> _Graph:
+        device = x.device
+        inputs = DecodeBatch(
+            x.new_zeros(bucket, x.shape[1]), positions.new_zeros(positions.shape[0], bucket),
+            torch.zeros(bucket, self.max_blocks, dtype=torch.int32, device=device),
+            torch.zeros(bucket + 1, dtype=torch.int32, device=device),
+            torch.full((bucket,), -1, dtype=torch.long, device=device))  # capture writes nothing to the cache
+        meta = AttentionMetadata([1] * bucket, [self.max_blocks * self.block_size] * bucket, inputs.block_tables,
+                                 inputs.slot_mapping, torch.arange(bucket + 1, dtype=torch.int32, device=device),
+                                 inputs.cu_context_lens, self.block_size)
+        meta.cascade = False  # the captured step is plain paged decode; cascade steps never replay
+
+        def step() -> torch.Tensor:
+            return self.lm(inputs.x, inputs.positions, meta, self.kv_caches)
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the graph: Triton compiles, allocator settles
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        self.pool = graph.pool()
+        self.graphs[bucket] = _Graph(graph, inputs, out)
+        return self.graphs[bucket]
