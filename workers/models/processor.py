@@ -20,6 +20,7 @@ from pathlib import Path
 
 from transformers import AutoImageProcessor, AutoTokenizer
 from transformers.models.internvl.processing_internvl import InternVLProcessor
+from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
 
@@ -62,7 +63,24 @@ class InternVLImageProcessor(InternVLProcessor):
         return {}
 
 
-_PROCESSORS = {"internvl": InternVLImageProcessor}  # model_type -> image-only processor; Qwen2-VL's otherwise
+class LlavaNextImageProcessor(LlavaNextProcessor):
+    """LlavaNextProcessor with the engine's image_span / image_inputs / text_inputs (it has no video processor)."""
+
+    def image_span(self, num_tokens: int) -> list[int]:
+        return [self.image_token_id] * num_tokens
+
+    def image_inputs(self, images) -> tuple[dict, list[int]]:
+        feats = self.image_processor(images=images, return_tensors="pt")
+        tile = feats["pixel_values"].shape[-2:]  # as replace_image_token counts: the tiles' size, CLS dropped
+        drop = int(self.vision_feature_select_strategy == "default")
+        return dict(feats), [self._get_number_of_features(h, w, *tile) - drop for h, w in feats["image_sizes"].tolist()]
+
+    def text_inputs(self, input_ids, attention_mask) -> dict:
+        return {}
+
+
+# model_type -> image-only processor; Qwen2-VL's otherwise
+_PROCESSORS = {"internvl": InternVLImageProcessor, "llava_next": LlavaNextImageProcessor}
 
 
 def _chat_template(model_dir: Path, tokenizer) -> str | None:
@@ -76,10 +94,11 @@ def _chat_template(model_dir: Path, tokenizer) -> str | None:
 
 
 def _processor_kwargs(model_dir: Path) -> dict:
-    # InternVL's image_seq_length (LM tokens per tile) lives in processor_config.json
+    # InternVL's image_seq_length (LM tokens per tile) and LLaVA-NeXT's feature settings live in processor_config.json
     path = model_dir / "processor_config.json"
     saved = json.loads(path.read_text()) if path.is_file() else {}
-    return {k: saved[k] for k in ("image_seq_length",) if k in saved}
+    return {k: saved[k] for k in ("image_seq_length", "patch_size", "num_additional_image_tokens",
+                                     "vision_feature_select_strategy") if k in saved}
 
 
 def load_processor(model_dir: str | Path) -> Qwen2VLImageProcessor | InternVLImageProcessor:
