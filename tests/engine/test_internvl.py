@@ -4,7 +4,6 @@ call, chunked prefills beside decodes on scattered cache blocks), and greedy out
 workload with the encoder and prefix caches on."""
 from __future__ import annotations
 
-import random
 import shutil
 
 import pytest
@@ -18,6 +17,7 @@ from tiled_parity import (
     chunked_prefill_beside_decodes,
     greedy_workload_matches,
     image,
+    image_sizes,
     prefill_then_decode,
 )
 from tiny.internvl import build_internvl
@@ -42,10 +42,6 @@ def checkpoint(request, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------- preprocessing
-SIZES = [(1, 1), (1, 300), (300, 1), (56, 56), (112, 56), (56, 112), (55, 57), (100, 100), (168, 56), (200, 67),
-         (67, 200), (333, 111), (30, 400), (400, 30), (250, 249), (13, 17), (112, 112), (224, 56), (79, 120)]
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["native", "pil"])
 def test_tiles_bit_exact_with_transformers(native):
     ref = GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True, max_patches=6,
@@ -54,9 +50,7 @@ def test_tiles_bit_exact_with_transformers(native):
     ours = TilingPreprocessor.from_preprocessor_config({**config, "crop_to_patches": False})  # the processor crops
     if not native:
         ours = TilingPreprocessor(ours.policy, ours.image_mean, ours.image_std, ours.rescale_factor, native=False)
-    rng = random.Random(3)
-    sizes = SIZES + [(rng.randint(1, 500), rng.randint(1, 500)) for _ in range(30)]
-    for i, (w, h) in enumerate(sizes):
+    for i, (w, h) in enumerate(image_sizes(3, 30, 500)):
         img = image(w, h, i)
         expected = ref(images=[img], crop_to_patches=True, return_tensors="pt")
         pixels, grid = ours([img])

@@ -4,7 +4,6 @@ through the ModelRunner (tiles of many requests in one encoder call, chunked pre
 cache blocks), and greedy outputs of a continuously batched workload with the encoder and prefix caches on."""
 from __future__ import annotations
 
-import random
 import shutil
 
 import pytest
@@ -18,6 +17,7 @@ from tiled_parity import (
     chunked_prefill_beside_decodes,
     greedy_workload_matches,
     image,
+    image_sizes,
     prefill_then_decode,
 )
 from tiny.llava_next import PINPOINTS, TILE, build_llava_next
@@ -44,10 +44,6 @@ def checkpoint(request, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------- preprocessing
-SIZES = [(1, 1), (1, 300), (300, 1), (56, 56), (112, 56), (56, 112), (55, 57), (100, 100), (168, 56), (56, 168),
-         (200, 67), (67, 200), (333, 111), (30, 400), (400, 30), (250, 249), (13, 17), (112, 112), (224, 56)]
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["native", "pil"])
 def test_anyres_bit_exact_with_transformers(native):
     ref = LlavaNextImageProcessorPil(size={"shortest_edge": TILE}, crop_size={"height": TILE, "width": TILE},
@@ -56,9 +52,7 @@ def test_anyres_bit_exact_with_transformers(native):
     assert isinstance(ours, AnyresPreprocessor)
     if not native:
         ours = AnyresPreprocessor(ours.policy, ours.image_mean, ours.image_std, ours.rescale_factor, native=False)
-    rng = random.Random(3)
-    sizes = SIZES + [(rng.randint(1, 500), rng.randint(1, 500)) for _ in range(30)]
-    for i, (w, h) in enumerate(sizes):
+    for i, (w, h) in enumerate(image_sizes(3, 30, 500)):
         img = image(w, h, i)
         expected = ref(images=[img], return_tensors="pt")
         pixels, grid = ours([img])
@@ -71,9 +65,7 @@ def test_token_count_is_the_sdk_price_and_the_processor_count(checkpoint):
     path, _, ours, processor = checkpoint
     _, policy = read_model_folder(path)
     pre = image_preprocessor_for(processor.image_processor.to_dict())
-    rng = random.Random(5)
-    sizes = SIZES + [(rng.randint(1, 700), rng.randint(1, 700)) for _ in range(60)]
-    for i, (w, h) in enumerate(sizes):
+    for i, (w, h) in enumerate(image_sizes(5, 60, 700)):
         img = image(w, h, i)
         _, grid = pre([img])
         ((patches, tokens),) = ours.image_counts(grid)

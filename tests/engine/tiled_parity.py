@@ -18,6 +18,15 @@ from vlmq.workers.models.processor import ChatPrompt, render_prompt
 
 TOL = 1e-4
 MAX_NEW = 10
+# tiny, one-pixel strips, exact tile multiples, near-square ties and extreme aspect ratios
+SIZES = [(1, 1), (1, 300), (300, 1), (56, 56), (112, 56), (56, 112), (55, 57), (100, 100), (168, 56), (56, 168),
+         (200, 67), (67, 200), (333, 111), (30, 400), (400, 30), (250, 249), (13, 17), (112, 112), (224, 56), (79, 120)]
+
+
+def image_sizes(seed: int, count: int, largest: int) -> list[tuple[int, int]]:
+    """SIZES and `count` random (width, height) pairs up to `largest`."""
+    rng = random.Random(seed)
+    return SIZES + [(rng.randint(1, largest), rng.randint(1, largest)) for _ in range(count)]
 
 
 def image(w: int, h: int, seed: int) -> Image.Image:
