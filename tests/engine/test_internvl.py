@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tiled_parity import (
-    TOL,
     Req,
     Runner,
+    batched_encode_matches,
     check,
     chunked_prefill_beside_decodes,
+    encoder_calls_under_budget,
     greedy_workload_matches,
     image,
     image_sizes,
@@ -24,7 +25,6 @@ from tiny.internvl import build_internvl
 from transformers import AutoModelForImageTextToText
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-from vlmq.workers.engine.engine import Engine, Request
 from vlmq.workers.engine.tiling import TilingPreprocessor, num_tiles
 from vlmq.workers.models.loader import load_model
 from vlmq.workers.models.processor import load_processor
@@ -84,13 +84,7 @@ def test_mixed_sizes_one_encoder_call_chunked_steps(checkpoint):
 def test_tiles_batched_equal_one_image_at_a_time(checkpoint):
     _, ref, ours, processor = checkpoint
     reqs = [Req(processor, ours, size, 10 + i) for i, size in enumerate([(56, 56), (200, 67), (90, 140)])]
-    pixels, grid = torch.cat([r.pixels for r in reqs]), torch.cat([r.grid for r in reqs])
-    with torch.no_grad():
-        batched = torch.cat(ours.encode_images(pixels, grid))
-        alone = torch.cat([ours.encode_images(r.pixels, r.grid)[0] for r in reqs])
-        theirs = ref.model.get_image_features(pixels).pooler_output.reshape(batched.shape)
-    assert (batched - theirs).abs().max().item() <= TOL
-    assert (alone - theirs).abs().max().item() <= TOL
+    batched_encode_matches(ours, reqs, lambda pixels, grid: ref.model.get_image_features(pixels).pooler_output)
 
 
 def test_prompt_positions_check_image_tokens(checkpoint):
@@ -128,12 +122,6 @@ def test_encoder_budget_counts_tiles_patches(checkpoint, images_per_step):
     """Four 7-tile images (16 patches a tile): with a budget of `images_per_step` images' patches, every step's
     encoder call runs the tiles of all requests admitted in it, and no more than the budget."""
     path, _, ours, _ = checkpoint
-    requests = [Request(image(300, 200, 50 + i), "describe", max_new_tokens=3) for i in range(4)]
     per_image = ours.image_counts(torch.tensor([[7, 2, 3]]))[0][0]
     assert per_image == 7 * 16
-    engine = Engine.from_model_dir(path, num_blocks=256, max_num_encoder_patches=images_per_step * per_image)
-    outputs = engine.generate(requests, prepare_all_first=True)
-    engine.close()
-    assert all(o.error is None for o in outputs)
-    assert engine.stats.num_encoded_images == 4
-    assert engine.stats.num_encoder_calls == 4 // images_per_step
+    assert encoder_calls_under_budget(path, per_image, images_per_step) == 4 // images_per_step

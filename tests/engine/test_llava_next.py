@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tiled_parity import (
-    TOL,
     Req,
     Runner,
+    batched_encode_matches,
     check,
     chunked_prefill_beside_decodes,
+    encoder_calls_under_budget,
     greedy_workload_matches,
     image,
     image_sizes,
@@ -26,7 +27,6 @@ from transformers.models.llava_next.image_processing_pil_llava_next import Llava
 
 from vlmq.families import read_model_folder
 from vlmq.workers.engine.anyres import AnyresPreprocessor
-from vlmq.workers.engine.engine import Engine, Request
 from vlmq.workers.engine.tiling import image_preprocessor_for
 from vlmq.workers.models.loader import load_model
 from vlmq.workers.models.processor import load_processor, render_prompt
@@ -102,13 +102,8 @@ def test_mixed_sizes_one_encoder_call_chunked_steps(checkpoint):
 def test_tiles_batched_equal_one_image_at_a_time(checkpoint):
     _, ref, ours, processor = checkpoint
     reqs = [Req(processor, ours, size, 10 + i) for i, size in enumerate([(56, 56), (200, 67), (90, 140), (3, 90)])]
-    pixels, grid = torch.cat([r.pixels for r in reqs]), torch.cat([r.grid for r in reqs])
-    with torch.no_grad():
-        batched = torch.cat(ours.encode_images(pixels, grid))
-        alone = torch.cat([ours.encode_images(r.pixels, r.grid)[0] for r in reqs])
-        theirs = torch.cat(ref.model.get_image_features(pixels, grid[:, 3:]).pooler_output)
-    assert (batched - theirs).abs().max().item() <= TOL
-    assert (alone - theirs).abs().max().item() <= TOL
+    batched_encode_matches(ours, reqs, lambda pixels, grid: torch.cat(
+        ref.model.get_image_features(pixels, grid[:, 3:]).pooler_output))
 
 
 def test_prompt_positions_check_image_tokens(checkpoint):
@@ -145,12 +140,6 @@ def test_encoder_budget_counts_tiles_patches(checkpoint):
     """Four 5-tile images (16 patches a tile): with a budget of two images' patches, every step's encoder call runs
     the tiles of both requests admitted in it, and no more."""
     path, _, ours, _ = checkpoint
-    requests = [Request(image(300, 200, 50 + i), "describe", max_new_tokens=3) for i in range(4)]
     per_image = ours.image_counts(torch.tensor([[5, 2, 2, 200, 300]]))[0][0]
     assert per_image == 5 * 16
-    engine = Engine.from_model_dir(path, num_blocks=256, max_num_encoder_patches=2 * per_image)
-    outputs = engine.generate(requests, prepare_all_first=True)
-    engine.close()
-    assert all(o.error is None for o in outputs)
-    assert engine.stats.num_encoded_images == 4
-    assert engine.stats.num_encoder_calls == 2
+    assert encoder_calls_under_budget(path, per_image, 2) == 2

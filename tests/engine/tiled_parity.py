@@ -116,6 +116,30 @@ def chunked_prefill_beside_decodes(ours, a: Req, b: Req, c: Req, reference) -> N
         check(torch.cat(outs[r]), full[r.prompt_len:])
 
 
+def batched_encode_matches(ours, reqs: list[Req], reference) -> None:
+    """The tiles of several images in one encoder call give the same features as one image at a time, and as
+    `reference(pixels, grid)` (transformers' image features of the same tiles, [K, hidden])."""
+    pixels, grid = torch.cat([r.pixels for r in reqs]), torch.cat([r.grid for r in reqs])
+    with torch.no_grad():
+        batched = torch.cat(ours.encode_images(pixels, grid))
+        alone = torch.cat([ours.encode_images(r.pixels, r.grid)[0] for r in reqs])
+        theirs = reference(pixels, grid).reshape(batched.shape)
+    assert (batched - theirs).abs().max().item() <= TOL
+    assert (alone - theirs).abs().max().item() <= TOL
+
+
+def encoder_calls_under_budget(path, per_image: int, images_per_step: int) -> int:
+    """Four requests for 300×200 images (`per_image` encoder patches each) through an engine whose step encoder
+    budget is `images_per_step` images' patches; returns its encoder calls (after checking all four encoded)."""
+    requests = [Request(image(300, 200, 50 + i), "describe", max_new_tokens=3) for i in range(4)]
+    engine = Engine.from_model_dir(path, num_blocks=256, max_num_encoder_patches=images_per_step * per_image)
+    outputs = engine.generate(requests, prepare_all_first=True)
+    engine.close()
+    assert all(o.error is None for o in outputs)
+    assert engine.stats.num_encoded_images == 4
+    return engine.stats.num_encoder_calls
+
+
 def workload() -> list[tuple[Image.Image, str]]:
     rng = random.Random(7)
     fresh = [(image(rng.randint(8, 260), rng.randint(8, 260), i), f"what is in picture {i}?") for i in range(40)]
