@@ -130,6 +130,16 @@ def test_hub_key_layout_and_feature_layers(tmp_path):
     check(Runner(ours, [r]).step([(r, r.prompt_len)])[0], reference_logits(ref, r))
 
 
+def test_mistral_sliding_window_bounds_positions(tmp_path):
+    """A Mistral LM: same logits as transformers while the sequence fits its sliding window, which becomes the
+    model's position bound (intake refuses longer requests)."""
+    path = build_llava_next(tmp_path, text=dict(model_type="mistral", sliding_window=200))
+    ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_model(path, "cpu", torch.float32)
+    assert ours.max_positions == 200
+    prefill_then_decode(ours, Req(load_processor(path), ours, (90, 140), seed=9), lambda r: reference_logits(ref, r))
+
+
 # ------------------------------------------------------------------------------------- greedy, the engine
 def test_greedy_identical_continuous_batching_with_caches(checkpoint):
     path, ref, _, processor = checkpoint

@@ -133,13 +133,12 @@ def unpad(features: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 # -------------------------------------------------------------------------------------------- language model
 class TextModel(InternVLTextModel):
-    """Llama, Mistral (without a sliding window) or Qwen2 decoder with 1-D RoPE."""
+    """Llama, Mistral or Qwen2 decoder with 1-D RoPE and full causal attention (a Mistral sliding window bounds the
+    model's positions instead, see LlavaNextModel.max_positions)."""
 
     def __init__(self, tc) -> None:
         if tc.model_type not in ("llama", "mistral", "qwen2"):
             raise NotImplementedError(f"LLaVA-NeXT with a {tc.model_type!r} language model is not supported")
-        if tc.model_type == "mistral" and getattr(tc, "sliding_window", None):
-            raise NotImplementedError("Mistral with a sliding window is not supported")
         Qwen2TextModel.__init__(self, tc)
 
 
@@ -180,7 +179,10 @@ class LlavaNextModel(InternVLModel):
         self.language_model = TextModel(tc)
         self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
         self.num_kv_heads, self.head_dim = tc.num_key_value_heads, _head_dim(tc)
-        self.max_positions = tc.max_position_embeddings
+        # a sequence no longer than Mistral's sliding window attends over all of it, as full attention does; intake
+        # refuses longer ones (prompt_too_long)
+        window = getattr(tc, "sliding_window", None) if tc.model_type == "mistral" else None
+        self.max_positions = min(tc.max_position_embeddings, window or tc.max_position_embeddings)
         self.side = vc.image_size // vc.patch_size  # feature rows (and columns) of one tile
         self.patches_per_tile = self.side**2
 
