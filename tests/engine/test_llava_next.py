@@ -25,7 +25,7 @@ from tiny.llava_next import PINPOINTS, TILE, build_llava_next
 from transformers import AutoModelForImageTextToText
 from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-from vlmq.families import read_model_folder
+from vlmq.families import read_model_folder, select_best_resolution
 from vlmq.workers.engine.anyres import AnyresPreprocessor
 from vlmq.workers.engine.tiling import image_preprocessor_for
 from vlmq.workers.models.loader import load_model
@@ -58,6 +58,18 @@ def test_anyres_bit_exact_with_transformers(native):
         pixels, grid = ours([img])
         assert torch.equal(pixels, expected["pixel_values"][0]), (w, h)
         assert grid[0, 3:].tolist() == expected["image_sizes"][0].tolist() == [h, w]
+
+
+def test_anyres_bit_exact_at_the_hub_checkpoints_settings():
+    """336-px tiles and LLaVA-NeXT's default pinpoints (llava-v1.6's preprocessor_config.json), photo sizes."""
+    ref = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    ours = image_preprocessor_for(ref.to_dict())
+    for i, (w, h) in enumerate([(1920, 1080), (640, 480), (336, 336), (100, 1000), (1009, 337), (3000, 40)]):
+        img = image(w, h, i)
+        pixels, grid = ours([img])
+        assert torch.equal(pixels, ref(images=[img], return_tensors="pt")["pixel_values"][0]), (w, h)
+        rows, cols = (side // 336 for side in select_best_resolution(h, w, ours.policy.grid_pinpoints))
+        assert grid[0, :3].tolist() == [rows * cols + 1, rows, cols], (w, h)
 
 
 def test_token_count_is_the_sdk_price_and_the_processor_count(checkpoint):
