@@ -61,8 +61,8 @@ class ClipAttention(nn.Module):
 class ClipMLP(nn.Module):
     def __init__(self, vc) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(vc.hidden_size, vc.intermediate_size), nn.Linear(vc.intermediate_size,
-                                                                                       vc.hidden_size)
+        self.fc1 = nn.Linear(vc.hidden_size, vc.intermediate_size)
+        self.fc2 = nn.Linear(vc.intermediate_size, vc.hidden_size)
         self.act = ACT2FN[vc.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,8 +111,8 @@ class ClipVisionTower(nn.Module):
 class MultiModalProjector(nn.Module):
     def __init__(self, config, num_layers: int) -> None:
         super().__init__()
-        width, hidden, bias = config.vision_config.hidden_size * num_layers, config.text_config.hidden_size, \
-            config.multimodal_projector_bias
+        width, hidden = config.vision_config.hidden_size * num_layers, config.text_config.hidden_size
+        bias = config.multimodal_projector_bias
         self.linear_1 = nn.Linear(width, hidden, bias=bias)
         self.act = ACT2FN[config.projector_hidden_act]
         self.linear_2 = nn.Linear(hidden, hidden, bias=bias)
