@@ -90,17 +90,23 @@ class TilingPreprocessor(ImagePreprocessor):
         checked = [_checked_rgb(image) for image in images]
         grids = [tile_grid(*_height_width(image), self.policy) for image in checked]
         counts = [c * r + (c * r > 1) for c, r in grids]
+        grid = torch.tensor([(n, r, c) for n, (c, r) in zip(counts, grids, strict=True)], dtype=torch.int64)
+        return self._tiles(checked, grids, counts, executor), grid.view(-1, 3)
+
+    def _tiles(self, images: list, grids: list[tuple[int, int]], counts: list[int],
+               executor: Executor | None) -> torch.Tensor:
+        """Every image's `counts[i]` tiles, filled by `_fill` (in parallel with an executor), back to back in one
+        float32 buffer [T, 3, S, S] (no concatenation copy)."""
         s = self.policy.tile_size
         out = np.empty((sum(counts), 3, s, s), dtype=np.float32)
         ends = np.cumsum([0, *counts]).tolist()
-        jobs = [(image, grid, out[a:b]) for image, grid, a, b in zip(checked, grids, ends[:-1], ends[1:], strict=True)]
+        jobs = [(image, grid, out[a:b]) for image, grid, a, b in zip(images, grids, ends[:-1], ends[1:], strict=True)]
         if executor is None:
             for job in jobs:
                 self._fill(job)
         else:
             list(executor.map(self._fill, jobs))  # list() waits for all and re-raises the first error
-        grid = torch.tensor([(n, r, c) for n, (c, r) in zip(counts, grids, strict=True)], dtype=torch.int64)
-        return torch.from_numpy(out), grid.view(-1, 3)
+        return torch.from_numpy(out)
 
     def largest_grid(self) -> torch.Tensor:
         """The grid row [1, 3] of an image with the most tiles: (max_tiles + thumbnail, 1, max_tiles)."""
@@ -127,8 +133,12 @@ class TilingPreprocessor(ImagePreprocessor):
 
 
 def image_preprocessor_for(config: Mapping[str, Any]) -> ImagePreprocessor | TilingPreprocessor:
-    """The fast preprocessor for a `preprocessor_config.json` dict: tiles for GotOcr2's processor (InternVL), native
-    resolution (Qwen2-VL's rule) for every other."""
+    """The fast preprocessor for a `preprocessor_config.json` dict: tiles for GotOcr2's processor (InternVL), anyres
+    tiles for LlavaNext's, native resolution (Qwen2-VL's rule) for every other."""
+    if str(config.get("image_processor_type", "")).startswith("LlavaNext"):
+        from .anyres import AnyresPreprocessor  # anyres.py builds on this module
+
+        return AnyresPreprocessor.from_preprocessor_config(config)
     if str(config.get("image_processor_type", "")).startswith("GotOcr2"):
         return TilingPreprocessor.from_preprocessor_config(config)
     return ImagePreprocessor.from_preprocessor_config(config)

@@ -1,4 +1,5 @@
-"""Load our Qwen2-VL / Qwen2.5-VL / Qwen3-VL / InternVL model code from a local Hugging Face checkpoint folder.
+"""Load our Qwen2-VL / Qwen2.5-VL / Qwen3-VL / InternVL / LLaVA-NeXT model code from a local Hugging Face checkpoint
+folder.
 
 Reads `config.json` (through transformers' config classes) and every `*.safetensors` file. Both key layouts
 are accepted: the original one (`model.layers.*`, `visual.*`, `lm_head.*`, which transformers 5.24 still
@@ -15,12 +16,14 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from vlmq.workers.models.internvl import InternVLModel
+from vlmq.workers.models.llava_next import LlavaNextModel
 from vlmq.workers.models.qwen2_5_vl import Qwen2_5_VLModel
 from vlmq.workers.models.qwen2_vl import Qwen2VLModel
 from vlmq.workers.models.qwen3_vl import Qwen3VLModel
 
 MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {"qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2_5_VLModel,
-                                                   "qwen3_vl": Qwen3VLModel, "internvl": InternVLModel}
+                                                   "qwen3_vl": Qwen3VLModel, "internvl": InternVLModel,
+                                                   "llava_next": LlavaNextModel}
 
 # checkpoint key prefix -> our module prefix, first match wins (new layout before the old "model." catch-all)
 _PREFIXES = (

@@ -1,4 +1,4 @@
-"""Load a Qwen2-VL or InternVL processor offline, without torchvision and without remote code.
+"""Load a Qwen2-VL, InternVL or LLaVA-NeXT processor offline, without torchvision and without remote code.
 
 transformers' `Qwen2VLProcessor` insists on a video processor (which needs torchvision), and
 `AutoProcessor.from_pretrained` silently falls back to the bare tokenizer when it cannot build
@@ -6,10 +6,11 @@ one (or, when the folder names `processor_class: Qwen2VLProcessor` as real check
 ImportError). `Qwen2VLImageProcessor` is the image-only subclass used here instead: the same `__call__`
 (input_ids, attention_mask, pixel_values, image_grid_thw, mm_token_type_ids), built from the
 image processor, the tokenizer and the chat template found in the checkpoint folder. The same
-file layout is used by real Qwen2-VL checkpoints. `InternVLImageProcessor` does the same for InternVL.
+file layout is used by real Qwen2-VL checkpoints. `InternVLImageProcessor` does the same for InternVL;
+`LlavaNextImageProcessor` adds the same methods to LLaVA-NeXT's processor (which has no video processor).
 
 Each of them says how one image placeholder of the chat template expands (`image_span`): Qwen2-VL repeats
-`<|image_pad|>`; InternVL wraps its `<IMG_CONTEXT>` tokens in `<img>` ... `</img>`.
+`<|image_pad|>`, LLaVA-NeXT `<image>`; InternVL wraps its `<IMG_CONTEXT>` tokens in `<img>` ... `</img>`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from transformers import AutoImageProcessor, AutoTokenizer
 from transformers.models.internvl.processing_internvl import InternVLProcessor
+from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
 
@@ -62,7 +64,24 @@ class InternVLImageProcessor(InternVLProcessor):
         return {}
 
 
-_PROCESSORS = {"internvl": InternVLImageProcessor}  # model_type -> image-only processor; Qwen2-VL's otherwise
+class LlavaNextImageProcessor(LlavaNextProcessor):
+    """LlavaNextProcessor with the engine's image_span / image_inputs / text_inputs (it has no video processor)."""
+
+    def image_span(self, num_tokens: int) -> list[int]:
+        return [self.image_token_id] * num_tokens
+
+    def image_inputs(self, images) -> tuple[dict, list[int]]:
+        feats = self.image_processor(images=images, return_tensors="pt")
+        tile = feats["pixel_values"].shape[-2:]  # as replace_image_token counts: the tiles' size, CLS dropped
+        drop = int(self.vision_feature_select_strategy == "default")
+        return dict(feats), [self._get_number_of_features(h, w, *tile) - drop for h, w in feats["image_sizes"].tolist()]
+
+    def text_inputs(self, input_ids, attention_mask) -> dict:
+        return {}
+
+
+# model_type -> image-only processor; Qwen2-VL's otherwise
+_PROCESSORS = {"internvl": InternVLImageProcessor, "llava_next": LlavaNextImageProcessor}
 
 
 def _chat_template(model_dir: Path, tokenizer) -> str | None:
@@ -75,14 +94,18 @@ def _chat_template(model_dir: Path, tokenizer) -> str | None:
     return getattr(tokenizer, "chat_template", None)
 
 
-def _processor_kwargs(model_dir: Path) -> dict:
-    # InternVL's image_seq_length (LM tokens per tile) lives in processor_config.json
+# processor_config.json settings each family's processor takes: InternVL's image_seq_length (LM tokens per tile),
+# LLaVA-NeXT's feature settings (its image token count)
+_PROCESSOR_KEYS = {"llava_next": ("patch_size", "num_additional_image_tokens", "vision_feature_select_strategy")}
+
+
+def _processor_kwargs(model_dir: Path, model_type: str | None) -> dict:
     path = model_dir / "processor_config.json"
     saved = json.loads(path.read_text()) if path.is_file() else {}
-    return {k: saved[k] for k in ("image_seq_length",) if k in saved}
+    return {k: saved[k] for k in _PROCESSOR_KEYS.get(model_type, ("image_seq_length",)) if k in saved}
 
 
-def load_processor(model_dir: str | Path) -> Qwen2VLImageProcessor | InternVLImageProcessor:
+def load_processor(model_dir: str | Path) -> Qwen2VLImageProcessor | InternVLImageProcessor | LlavaNextImageProcessor:
     """Build the image-only processor of the checkpoint's family from a local checkpoint folder (offline)."""
     model_dir = Path(model_dir)
     model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
@@ -90,7 +113,7 @@ def load_processor(model_dir: str | Path) -> Qwen2VLImageProcessor | InternVLIma
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     cls = _PROCESSORS.get(model_type, Qwen2VLImageProcessor)
     processor = cls(image_processor, tokenizer, chat_template=_chat_template(model_dir, tokenizer),
-                    **_processor_kwargs(model_dir))
+                    **_processor_kwargs(model_dir, model_type))
     if not hasattr(processor, "image_processor"):
         raise RuntimeError(f"{model_dir}: processor has no image processor; check preprocessor_config.json")
     return processor
