@@ -42,6 +42,9 @@ def _held_by_queue(redis: Any, queues: set[str]) -> dict[str, list[str]]:
             message, _, routing_key = json.loads(raw)
         except (ValueError, TypeError):
             continue
+        if not isinstance(routing_key, str):
+            continue
+        routing_key = keys.shared_queue(routing_key)  # a worker's own queue counts in its class
         if routing_key in held:
             held[routing_key].append(message_job_id(message) or "")
     return held

@@ -124,6 +124,12 @@ def worker_queue(model: str, cost_class: str, worker: str) -> str:
     return f"{queue(model, cost_class)}.w.{worker_slug(worker)}"
 
 
+def shared_queue(queue_name: str) -> str:
+    """The shared class queue a queue belongs to: itself, or the class queue of a worker's own queue."""
+    head, sep, _ = queue_name.partition(".w.")
+    return head if sep else queue_name
+
+
 def hot_input(input_key: str, model: str) -> str:
     """String ``<worker slug> <classes>``: a worker holds this input hot for this model (affinity routing).
 

@@ -117,7 +117,13 @@ def test_metrics_move_as_jobs_move(worker: tuple[Settings, str, WorkerProcess]) 
             assert len(job.result(timeout=180).token_ids) == 32
         with pytest.raises(JobFailed):
             bad.result(timeout=60)
-    after = scrape(url)
+
+    def settled() -> dict[Any, float] | None:  # a job's record is final just before its message is acked
+        s = scrape(url)
+        return s if value(s, "vlmq_queue_unacked", **q) == 0 and value(s, "vlmq_jobs_running", model=model) == 0 \
+            else None
+
+    after = wait_for(settled, 30, "the last messages acked")
 
     def moved(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)

@@ -54,6 +54,13 @@ def test_queue_stats_count_waiting_and_unacked_jobs_and_the_oldest_age(redis_url
     assert stats.oldest_age_s == pytest.approx(60, abs=0.01)
     [empty] = queue_stats(redis_client, [("tiny-shapes", "xl")])
     assert (empty.waiting, empty.held, empty.oldest_age_s) == (0, 0, 0.0)
+    # a job routed to a worker's own queue (cache affinity) is held in its class too
+    message = next(m for lst in keys.queue_lists(queue) if (m := redis_client.rpop(lst))).decode()
+    own = keys.worker_queue("tiny-shapes", cost_class, "w1")
+    redis_client.hset(keys.UNACKED, "tag-2", f'[{message},"",{json.dumps(own)}]')
+    [stats] = queue_stats(redis_client, [("tiny-shapes", cost_class)], now=oldest + 60)
+    assert (stats.waiting, stats.held) == (1, 2)
+    redis_client.delete(keys.UNACKED)
 
 
 def test_vlmq_top_once_prints_live_workers(redis_url, redis_client, monkeypatch, capsys) -> None:
