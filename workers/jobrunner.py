@@ -154,11 +154,20 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
         "timings": timings, "worker": ctx.name, "finished_at": now(),
     }
     key = keys.result_object(job_id)
-    if not with_storage_retry(ctx, lambda: ctx.storage.put_if_absent(key, json.dumps(doc).encode())):
+    wrote = with_storage_retry(ctx, lambda: ctx.storage.put_if_absent(key, json.dumps(doc).encode()))
+    if not wrote:
         log.info("job %s: a result already exists; keeping the first", job_id)
         out = GenOutput("", json.loads(ctx.storage.get(key))["token_ids"], "", 0, 0)
-    records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FINISHED,
-                       {"result_key": key, "generated_tokens": len(out.token_ids)}, ttl=ctx.settings.job_ttl)
+    changed, previous = records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FINISHED,
+                                           {"result_key": key, "generated_tokens": len(out.token_ids)},
+                                           ttl=ctx.settings.job_ttl)
+    if not changed and previous == JobStatus.CANCELED.value:
+        # canceled between the check above and the transition: a canceled job has no result
+        if wrote:
+            with_storage_retry(ctx, lambda: ctx.storage.delete(key))
+        log.info("job %s canceled as it finished; result dropped", job_id, extra=phase("canceled"))
+        metrics.job_ended(record["model"], record.get("cost_class", ""), JobStatus.CANCELED.value)
+        return JobStatus.CANCELED.value
     log.info("job %s finished (%d tokens)", job_id, len(out.token_ids), extra=phase("finished"))
     first_token = None if out.first_token_s is None else timings["total"] - timings["model"] + out.first_token_s
     metrics.job_finished(record["model"], record.get("cost_class", ""), timings["total"], first_token,

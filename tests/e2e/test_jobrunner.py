@@ -118,3 +118,18 @@ def test_a_handed_back_job_is_queued_again_and_not_counted_as_a_crash(pool) -> N
     client.redis.hset(keys.job(job.id), mapping={"status": "started", "attempts": 1})
     hand_back(ctx, job.id)
     assert job.status() is JobStatus.QUEUED and job.info()["attempts"] == "0"
+
+
+def test_a_job_canceled_while_its_result_is_written_has_no_result(pool) -> None:
+    client, ctx, _ = pool
+    job = client.submit(png(), "hello", max_new_tokens=3)
+    put_if_absent = ctx.storage.put_if_absent
+
+    def cancel_then_write(key: str, data: bytes) -> bool:  # the user cancels in the window after the worker's check
+        assert job.cancel()
+        return put_if_absent(key, data)
+
+    ctx.storage.put_if_absent = cancel_then_write  # type: ignore[method-assign]
+    assert run_job(ctx, job.id) == "canceled"
+    assert job.status() is JobStatus.CANCELED
+    assert not client.storage.exists(keys.result_object(job.id))
