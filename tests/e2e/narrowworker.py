@@ -15,10 +15,9 @@ from vlmq.workers.main import main
 if __name__ == "__main__":
     max_num_seqs = int(sys.argv[1])
 
-    def load_narrow(name: str, model_dir: str, device: str, *, kv_tokens: int | None = None,
-                    kv_store: object = None) -> EngineBackend:
-        assert name == "engine", name
-        return EngineBackend(model_dir, device, kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, kv_store=kv_store)
+    def load_narrow(name: str, model_dir: str, device: str, **options: object) -> EngineBackend:
+        assert name == "engine", name  # options: what load_backend takes (kv_tokens, kv_store, speculative)
+        return EngineBackend(model_dir, device, max_num_seqs=max_num_seqs, **options)  # type: ignore[arg-type]
 
     # run_worker imports load_backend when it starts, so it picks this one up
     backends.load_backend = load_narrow

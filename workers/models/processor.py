@@ -108,7 +108,8 @@ def _processor_kwargs(model_dir: Path, model_type: str | None) -> dict:
 def load_processor(model_dir: str | Path) -> Qwen2VLImageProcessor | InternVLImageProcessor | LlavaNextImageProcessor:
     """Build the image-only processor of the checkpoint's family from a local checkpoint folder (offline)."""
     model_dir = Path(model_dir)
-    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    config = model_dir / "config.json"  # a processor-only folder (tokenizer and image settings) is Qwen2-VL's
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
     image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     cls = _PROCESSORS.get(model_type, Qwen2VLImageProcessor)
