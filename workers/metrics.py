@@ -2,7 +2,7 @@
 
 Job counters and histograms are updated by the job runner as jobs end; everything else (queues, the held
 batch, engine counters, GPU memory) is read when Prometheus scrapes. Every name starts with ``vlmq_``; the
-README's "Metrics and operations" section lists them.
+docs/operations.md lists them (infra/metrics.txt is the list a test holds the worker to).
 """
 from __future__ import annotations
 

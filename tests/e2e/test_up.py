@@ -1,5 +1,5 @@
-"""`vlmq up`: a producer in another shell runs the README's SDK example against it with the printed exports;
-Ctrl-C (SIGINT to its process group, as a terminal sends it) stops everything it started."""
+"""`vlmq up`: a producer in another shell runs an SDK example (docs/operations.md) against it with the printed
+exports; Ctrl-C (SIGINT to its process group, as a terminal sends it) stops everything it started."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,7 @@ from test_pool import png
 from workerproc import alive, descendants
 
 pytestmark = pytest.mark.slow
-# The README's `vlmq up` section shows this producer (keep them equal).
+# the producer docs/operations.md shows for `vlmq up`
 SDK_EXAMPLE = """
 from vlmq import Client
 

@@ -13,14 +13,11 @@ the CPU has it), then, one band of patch*merge output rows at a time, the table 
 written straight into the batch's output buffer. The fallback (`native=False`) does PIL's resize, then per band
 the lookup with numpy (float32 planes that stay in cache) and a strided copy into patch order.
 
-On one core, scripts/bench_preprocess.py (quiet 2-core VM, bench-results/preprocess.json) measured the native
-path at 5.3× transformers' wall and CPU time over its set (4.2× on 256², 5.1-7.2× from 448² to 1080p). Of our
-time the C call is ~75% (the resize about half of it, most of the rest writing the float32 output, 4704 bytes per
-14×14 patch into fresh pages); allocating that output and copying the PIL image out are the rest. The fallback
-stays near 2×: PIL's scalar resize alone is about a third of the reference's time, which caps that path at
-~2.8× (the bench prints this ceiling). More throughput
-comes from images in parallel (an executor): the C call, PIL's resize and numpy's take and copyto all release
-the GIL.
+Where the time goes (scripts/bench_preprocess.py measures it against transformers; figures in docs/benchmarks.md):
+in the native path the C call dominates (the resize about half of it, most of the rest writing the float32 output
+into fresh pages); allocating that output and copying the PIL image out are the rest. The fallback is capped by
+PIL's scalar resize (the bench prints that ceiling). More throughput comes from images in parallel (an executor):
+the C call, PIL's resize and numpy's take and copyto all release the GIL.
 """
 
 from __future__ import annotations
