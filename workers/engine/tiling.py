@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+
+from vlmq.families import internvl_tile_grid
 
 from . import resample
 from .preprocess import ImagePreprocessor, _checked_rgb, _height_width, pixel_settings
@@ -35,28 +36,10 @@ class TilePolicy:
             raise ValueError(f"invalid tile policy {self!r}")
 
 
-@lru_cache(maxsize=64)
-def _candidate_grids(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
-    # (cols, rows) with min <= cols*rows <= max, by tile count; equal counts keep cols-major order (stable sort)
-    sides = range(1, max_tiles + 1)
-    grids = [(c, r) for c in sides for r in sides if min_tiles <= c * r <= max_tiles]
-    return tuple(sorted(grids, key=lambda g: g[0] * g[1]))
-
-
 def tile_grid(height: int, width: int, policy: TilePolicy) -> tuple[int, int]:
-    """(cols, rows) of the tile grid for an image: the closest aspect ratio (width / height); on an exact tie the
-    later candidate (more tiles) wins while the image area exceeds half the candidate grid's pixel area."""
-    if policy.max_tiles <= 1:
-        return 1, 1
-    aspect, area, tile_area = width / height, width * height, policy.tile_size * policy.tile_size
-    best, best_diff = (1, 1), float("inf")
-    for cols, rows in _candidate_grids(policy.min_tiles, policy.max_tiles):
-        diff = abs(aspect - cols / rows)
-        if diff < best_diff:
-            best, best_diff = (cols, rows), diff
-        elif diff == best_diff and area > 0.5 * tile_area * cols * rows:
-            best = (cols, rows)
-    return best
+    """(cols, rows) of the tile grid for an image: the SDK's pricing rule (``vlmq.families``), so the tiles the engine
+    cuts are the tiles the job was priced for."""
+    return internvl_tile_grid(height, width, policy.tile_size, policy.tile_size, policy.min_tiles, policy.max_tiles)
 
 
 def num_tiles(height: int, width: int, policy: TilePolicy) -> int:

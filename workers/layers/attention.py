@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlmq.workers.engine.device_defaults import prefill_path
 from vlmq.workers.layers.cascade_route import cascade_attention, route_for
 from vlmq.workers.layers.paged_torch import TorchPlan, torch_paged_attention
 
@@ -138,13 +139,9 @@ def paged_attention(
 
 
 def _use_flash_paged(q: torch.Tensor, meta: AttentionMetadata) -> bool:
-    # flash-attn's paged varlen path (causal is bottom-right aligned, as we need) wants pages of 256*k tokens
-    return (
-        q.is_cuda
-        and _flash_varlen_func is not None
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and meta.block_size % 256 == 0
-    )
+    # flash-attn's paged varlen path (causal is bottom-right aligned, as we need); one rule with the engine's defaults
+    flash = _flash_varlen_func is not None
+    return prefill_path(q.device.type, flash, meta.block_size, q.dtype) == "flash_paged"
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
