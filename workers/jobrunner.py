@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import redis as redis_lib
 
-from vlmq import keys, records, rules, webhooks
+from vlmq import keys, rules, store, webhooks
 from vlmq.errors import BackendError, InvalidRequest, JobFailed
 from vlmq.images import ImageLimits
 from vlmq.jobs import JobStatus, now
@@ -47,7 +47,7 @@ class WorkerContext:
 def hand_back(ctx: WorkerContext, job_id: str) -> None:
     """Undo this delivery's bookkeeping: a handed-back job is queued again and was no crash."""
     ctx.redis.hincrby(keys.job(job_id), "attempts", -1)
-    records.transition(ctx.redis, job_id, [JobStatus.STARTED], JobStatus.QUEUED)
+    store.transition(ctx.redis, job_id, [JobStatus.STARTED], JobStatus.QUEUED)
     log.info("job %s handed back to the queue", job_id, extra=phase("handed_back"))
 
 
@@ -63,7 +63,7 @@ def run_job(ctx: WorkerContext, job_id: str) -> str:
 
 
 def _run_job(ctx: WorkerContext, job_id: str) -> str:
-    record = records.read(ctx.redis, job_id)
+    record = store.read(ctx.redis, job_id)
     with job_context(job_id, record.get("model", ""), record.get("cost_class", "")):
         return _run(ctx, job_id, record)
 
@@ -84,7 +84,7 @@ def _run(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
         # every earlier delivery crashed its worker or timed out: stop the loop here
         return _fail(ctx, job_id, record, "poison", f"delivered {attempts} times; the previous {attempts - 1} "
                      "deliveries crashed their worker or timed out", False)
-    records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.STARTED, {"worker": ctx.name})
+    store.transition(ctx.redis, job_id, _ACTIVE, JobStatus.STARTED, {"worker": ctx.name})
     log.info("job %s started on %s", job_id, ctx.name, extra=phase("started"))
     if ctx.fleet is not None:
         ctx.fleet.claim(record["input_key"])
@@ -141,7 +141,7 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
                  len(out.token_ids), extra=phase("canceled"))
         metrics.job_ended(record["model"], record.get("cost_class", ""), JobStatus.CANCELED.value)
         return JobStatus.CANCELED.value
-    status = JobStatus(records.read(ctx.redis, job_id).get("status", JobStatus.FAILED.value))
+    status = JobStatus(store.read(ctx.redis, job_id).get("status", JobStatus.FAILED.value))
     if status.is_final:  # another delivery already ended it (finished, or failed as poison)
         log.info("job %s already %s; this delivery's result dropped", job_id, status.value, extra=phase("skipped"))
         return status.value
@@ -158,7 +158,7 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
     if not wrote:
         log.info("job %s: a result already exists; keeping the first", job_id)
         out = GenOutput("", json.loads(ctx.storage.get(key))["token_ids"], "", 0, 0)
-    changed, previous = records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FINISHED,
+    changed, previous = store.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FINISHED,
                                            {"result_key": key, "generated_tokens": len(out.token_ids)},
                                            ttl=ctx.settings.job_ttl)
     if not changed and previous == JobStatus.CANCELED.value:
@@ -203,7 +203,7 @@ def with_storage_retry(ctx: WorkerContext, call: Callable[[], T]) -> T:
 
 
 def _fail(ctx: WorkerContext, job_id: str, record: dict[str, str], code: str, message: str, retryable: bool) -> str:
-    records.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FAILED,
+    store.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FAILED,
                        {"error_type": code, "error_message": message[:2000], "retryable": int(retryable),
                         "worker": ctx.name}, ttl=ctx.settings.job_ttl)
     log.info("job %s failed: %s: %s", job_id, code, message, extra=phase("failed"))

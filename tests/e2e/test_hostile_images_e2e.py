@@ -22,7 +22,7 @@ import pytest
 from hostile_images import CASES, Case
 from workerproc import TINY_CLASSES, WorkerProcess, ready_worker
 
-from vlmq import keys, records
+from vlmq import keys, store
 from vlmq.client import Client
 from vlmq.errors import InvalidRequest, JobFailed
 from vlmq.images import ImageLimits, probe
@@ -55,7 +55,7 @@ class Forger:
     def __init__(self, client: Client, settings: Settings, template_id: str) -> None:
         self.client = client
         self.celery = make_celery(settings, name="vlmq-forger")
-        self.template = {k: v for k, v in records.read(client.redis, template_id).items()
+        self.template = {k: v for k, v in store.read(client.redis, template_id).items()
                          if not k.endswith("_at") and k not in ("worker", "result_key", "generated_tokens")}
 
     def submit(self, data: bytes) -> Job:

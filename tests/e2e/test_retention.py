@@ -13,9 +13,9 @@ from workerproc import TINY_CLASSES, WorkerProcess
 from vlmq import keys
 from vlmq.client import Client
 from vlmq.jobs import JobStatus
-from vlmq.records import transition
 from vlmq.settings import Settings
 from vlmq.storage import FileStorage, Storage
+from vlmq.store import transition
 from vlmq.workers.retention import RetentionSweeper
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -136,7 +136,7 @@ def test_a_batch_past_its_window_expires_with_its_requests_cancelled(client: Cli
 
 
 def test_a_job_counts_only_in_a_batch_of_its_own_tenant(client: Client, tmp_path: Path) -> None:
-    from vlmq import records
+    from vlmq import store
 
     path = tmp_path / "requests.jsonl"
     path.write_text(line("only", data_url(png())) + "\n")
@@ -144,10 +144,10 @@ def test_a_job_counts_only_in_a_batch_of_its_own_tenant(client: Client, tmp_path
     forged = "acme." + "f" * 32  # another tenant's job whose record names this batch
     client.redis.hset(keys.job(forged), mapping={"id": forged, "status": "queued", "batch_id": batch.id})
     client.redis.expire(keys.job(forged), 60)
-    assert records.transition(client.redis, forged, [JobStatus.QUEUED], JobStatus.FAILED)[0]
+    assert store.transition(client.redis, forged, [JobStatus.QUEUED], JobStatus.FAILED)[0]
     assert batch.refresh()["request_counts"]["failed"] == 0
     [own] = [j.decode() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
-    assert records.transition(client.redis, own, [JobStatus.QUEUED], JobStatus.FAILED)[0]
+    assert store.transition(client.redis, own, [JobStatus.QUEUED], JobStatus.FAILED)[0]
     assert batch.refresh()["request_counts"] == {"total": 1, "completed": 0, "failed": 1, "cancelled": 0}
     assert batch.status() is BatchStatus.COMPLETED  # finalized by the status read: every request ended
 

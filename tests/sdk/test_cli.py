@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmq import keys, records
+from vlmq import keys, store
 from vlmq.cli import main
 from vlmq.client import Client
 from vlmq.jobs import JobStatus
@@ -40,7 +40,7 @@ def finish(client: Client, job_id: str, token_ids: list[int]) -> None:
            "finish_reason": "stop", "usage": {"prompt_tokens": 30, "image_tokens": 20, "generated_tokens": 3},
            "timings": {"model": 0.25}, "worker": "w1"}
     client.storage.put(keys.result_object(job_id), json.dumps(doc).encode())
-    records.transition(client.redis, job_id, [JobStatus.QUEUED], JobStatus.FINISHED, ttl=60)
+    store.transition(client.redis, job_id, [JobStatus.QUEUED], JobStatus.FINISHED, ttl=60)
 
 
 def test_help_names_the_environment_variables(capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,7 +74,7 @@ def test_wait_and_cancel_exit_codes(pool, capsys) -> None:
     flags, client = pool
     done, failing, slow = (client.submit(png(50 + i, 40), "How many circles?") for i in range(3))
     finish(client, done.id, [1])
-    records.transition(client.redis, failing.id, [JobStatus.QUEUED], JobStatus.FAILED,
+    store.transition(client.redis, failing.id, [JobStatus.QUEUED], JobStatus.FAILED,
                        {"error_type": "corrupt_image", "error_message": "bad pixels"})
     assert run(capsys, "wait", done.id, *flags)[0] == 0
     code, out, _ = run(capsys, "wait", done.id, failing.id, *flags)

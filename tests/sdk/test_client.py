@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmq import keys, records
+from vlmq import keys, store
 from vlmq.client import Client
 from vlmq.embedded import free_port
 from vlmq.errors import BackendError, InvalidRequest, JobFailed, JobNotFound, JobTimeout, QueueFull
@@ -187,14 +187,14 @@ def test_a_job_that_was_waited_on_leaves_its_done_list_with_a_ttl(client: Client
         doc = {"job_id": job.id, "model": "tiny-shapes", "text": "ok", "token_ids": [1], "finish_reason": "stop",
                "usage": {}, "timings": {}, "worker": "test"}
         client.storage.put(keys.result_object(job.id), json.dumps(doc).encode())
-        records.transition(client.redis, job.id, [JobStatus.QUEUED], JobStatus.FINISHED, ttl=60)
+        store.transition(client.redis, job.id, [JobStatus.QUEUED], JobStatus.FINISHED, ttl=60)
 
     worker = threading.Thread(target=finish_like_a_worker)
     worker.start()
     assert job.result(timeout=20).text == "ok"
     worker.join()
     assert client.redis.lrange(keys.done(job.id), 0, -1) == [b"finished"]
-    assert 0 < client.redis.ttl(keys.done(job.id)) <= records.DONE_TTL
+    assert 0 < client.redis.ttl(keys.done(job.id)) <= store.DONE_TTL
     assert job.result(timeout=1).text == "ok"  # a second waiter still finds it
 
 
@@ -204,7 +204,7 @@ def test_records_of_jobs_that_never_end_expire(redis_client: object, redis_url: 
         job = client.submit(png(), "Describe the image.")
         assert 90 < client.redis.ttl(keys.job(job.id)) <= 100
         assert client.redis.ttl(keys.done(job.id)) == -2  # no done list before the job ends
-        records.transition(client.redis, job.id, [JobStatus.QUEUED], JobStatus.STARTED)  # what a worker does
+        store.transition(client.redis, job.id, [JobStatus.QUEUED], JobStatus.STARTED)  # what a worker does
         client.redis.expire(keys.job(job.id), 50)
         assert 40 < client.redis.ttl(keys.job(job.id)) <= 50  # a start keeps the record's TTL
         assert job.cancel() is True
