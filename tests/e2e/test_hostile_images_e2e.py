@@ -3,7 +3,8 @@
 Each file is refused at submit with its code or served; a refused file is also forged past the SDK (input object,
 record and Celery message written directly, as a producer holding the credentials could) and the worker must fail
 that job with the same code, non-retryable. Every job ends within a time bound, and a normal job running alongside
-the corpus is slowed by at most 2x against the same job alone in this run. The decode pool's budgets are checked
+the corpus is slowed by at most 2x against the same job alone in this run (medians: alone before and after the
+corpus, alongside over as many passes of the corpus as it takes to get six jobs). The decode pool's budgets are checked
 directly at the end.
 """
 from __future__ import annotations
@@ -35,7 +36,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 PROMPT = "Describe the image."
 SUBMIT_BOUND_S = 2.0  # reading the file and probing it, for a refused file
 JOB_BOUND_S = 120.0  # created -> final on the worker, for each corpus job
-SLOWDOWN_BOUND = 2.0
+SLOWDOWN_BOUND = 2.0  # median submit -> result alongside the corpus, against the median alone
+ALONE_RUNS = 4  # normal jobs alone before the corpus, and again after it
+MIN_ALONGSIDE = 6  # normal jobs alongside the corpus: a pass over it is repeated until there are this many
+MAX_PASSES = 3
 NORMAL_TOKENS = 128  # with ignore_eos: the same model work every time
 
 
@@ -140,27 +144,41 @@ def test_corpus_is_refused_or_served_and_a_normal_job_alongside_keeps_its_pace(
         warm = client.submit(inputs.encode(inputs.rgb(), "PNG"), PROMPT, max_new_tokens=4)
         warm.result(timeout=300)  # the model is loaded and the decoding processes started
         forger = Forger(client, settings, warm.id)
-        feeder = Feeder(settings, forger, tmp_path)
-        alone = [_normal(client) for _ in range(3)]
+        alone = [_normal(client) for _ in range(ALONE_RUNS)]
+        feeders, alongside = _alongside_the_corpus(client, settings, forger, tmp_path)
+        alone += [_normal(client) for _ in range(ALONE_RUNS)]  # before and after: load drift hits both alike
+        forger.close()
+        for feeder in feeders:
+            assert feeder.error is None, feeder.error
+            for name, (code, seconds) in feeder.refused.items():
+                case = next(c for c in CASES if c.name == name)
+                assert code == case.code, (name, code)
+                assert seconds < SUBMIT_BOUND_S, (name, seconds)
+            assert {c.name for c in CASES if c.code} == set(feeder.refused)
+            for case, job, forged in feeder.jobs:
+                _check_job(case, job, forged)
+    print(f"normal job alone median {statistics.median(alone):.2f} s (of {[round(t, 2) for t in alone]}), alongside "
+          f"the corpus ({len(feeders)} passes) median {statistics.median(alongside):.2f} s, max {max(alongside):.2f} s "
+          f"over {len(alongside)} jobs")
+    assert len(alongside) >= MIN_ALONGSIDE
+    assert statistics.median(alongside) <= SLOWDOWN_BOUND * statistics.median(alone), (alone, alongside)
+    assert worker.alive()
+
+
+def _alongside_the_corpus(client: Client, settings: Settings, forger: Forger,
+                          folder: Path) -> tuple[list[Feeder], list[float]]:
+    """Normal jobs, one after another, while the corpus runs: passes over it until there are enough samples."""
+    feeders: list[Feeder] = []
+    alongside: list[float] = []
+    while len(feeders) < MAX_PASSES and (not feeders or len(alongside) < MIN_ALONGSIDE):
+        (folder / str(len(feeders))).mkdir()
+        feeder = Feeder(settings, forger, folder / str(len(feeders)))
+        feeders.append(feeder)
         feeder.start()
-        alongside: list[float] = []
         while _corpus_running(feeder) and len(alongside) < 30:
             alongside.append(_normal(client))
         feeder.join()
-        forger.close()
-        assert feeder.error is None, feeder.error
-        for name, (code, seconds) in feeder.refused.items():
-            case = next(c for c in CASES if c.name == name)
-            assert code == case.code, (name, code)
-            assert seconds < SUBMIT_BOUND_S, (name, seconds)
-        assert {c.name for c in CASES if c.code} == set(feeder.refused)
-        for case, job, forged in feeder.jobs:
-            _check_job(case, job, forged)
-    print(f"normal job alone {statistics.median(alone):.2f} s (of {alone}), alongside the corpus "
-          f"median {statistics.median(alongside):.2f} s, max {max(alongside):.2f} s over {len(alongside)} jobs")
-    assert len(alongside) >= 3
-    assert statistics.median(alongside) <= SLOWDOWN_BOUND * statistics.median(alone), (alone, alongside)
-    assert worker.alive()
+    return feeders, alongside
 
 
 # --- the decode pool's budgets ---------------------------------------------------------------------
