@@ -22,9 +22,9 @@ WORKER_USER = "vlmq-worker"
 CONNECTION_COMMANDS = ["hello", "auth", "ping", "client|setinfo", "client|setname", "select"]
 # what the SDK runs on its own keys: records (HSET/EXPIRE/HGETALL), idempotency (SET NX GET, DEL on
 # release), waiting (BLMOVE on the done list), the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH,
-# EXISTS, HINCRBY), reading webhook delivery attempts (LRANGE, ``Job.deliveries()``), affinity routes of its own
-# inputs (GET) and batches (HGETALL/HSET on its batch hash, RPUSH/LRANGE on its job list, GET/SET/DEL on its
-# finalizer lease; MULTI/EXEC around a batch's creation)
+# EXISTS, HINCRBY), reading webhook delivery attempts (LRANGE, ``Job.deliveries()``), affinity routes of its
+# own inputs (GET, inside the enqueue script) and batches (HGETALL/HSET on its batch hash, RPUSH/LRANGE on its
+# job list, GET/SET/DEL on its finalizer lease; MULTI/EXEC around a batch's creation)
 TENANT_COMMANDS = ["hgetall", "hget", "hmget", "hset", "hincrby", "exists", "expire", "get", "set", "del", "blmove",
                    "rpush", "lrange", "eval", "multi", "exec", "discard"]
 # publishing is one LPUSH per message (see vlmq.wire); LLEN for queue limits
@@ -46,9 +46,10 @@ def tenant_rules(tenant: str) -> list[str]:
             *(f"%R~{p}" for p in keys.tenant_read_patterns(tenant)),  # routes: readable, never forged
             f"(~{keys.queue_pattern()} {commands})",
             f"(~{keys.wake_pattern()} {' '.join(f'+{c}' for c in WAKE_COMMANDS)})",
-            # the enqueue script (vlmq.client) declares the job's record, its queue list and the wake list; each
-            # command inside it is checked against the rules above
-            f"(~{keys.job(keys.tenant_job_id(tenant, '*'))} ~{keys.queue_pattern()} ~{keys.wake_pattern()} +eval)"]
+            # the enqueue script (vlmq.affinity) declares the job's record, its queue list, the wake list and its
+            # input's route; each command inside it is checked against the rules above (the route: GET only)
+            f"(~{keys.job(keys.tenant_job_id(tenant, '*'))} ~{keys.queue_pattern()} ~{keys.wake_pattern()} "
+            f"{' '.join(f'~{p}' for p in keys.tenant_read_patterns(tenant))} +eval)"]
 
 
 def worker_rules() -> list[str]:

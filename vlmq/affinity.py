@@ -1,7 +1,8 @@
 """Cache-affinity routing: a job whose image a live worker holds hot goes to that worker's own queue.
 
 Workers publish what they hold (``vlmq.keys.hot_input``: input object -> ``<worker> <classes>``, expiring
-unless the worker renews it, deleted when it evicts the image). The producer reads the route of each job's
+unless the worker renews it, deleted when it evicts the image). The producer's enqueue script
+(``ENQUEUE_SCRIPT``, the same atomic step that writes the job's record and message) reads the route of the job's
 input and sends the job to ``vlmq.<model>.<class>.w.<worker>`` (``vlmq.keys.worker_queue``) when that worker
 consumes the job's class and its queue is under ``VLMQ_AFFINITY_QUEUE_BOUND``; otherwise, and always with
 ``VLMQ_AFFINITY=0``, to the shared class queue. A worker pops its own queue before the shared one, under the
@@ -79,38 +80,60 @@ class Route:
         return cls(worker, frozenset(c for c in classes.split(",") if c))
 
 
-def choose_queue(model: str, cost_class: str, route: Route | None, depth: int, bound: int) -> str:
-    """The queue for one job: the hot worker's own queue if it takes the class and has room, else the shared one.
+# KEYS[1] the job record, KEYS[2] the shared queue's list for the job's priority, KEYS[3] the shared queue's wake
+# list, KEYS[4] the input's hot key. ARGV[1] the record's TTL, ARGV[2] the wake token's, ARGV[3] the message
+# (routed to the shared queue), ARGV[4] the shared queue, ARGV[5] the cost class, ARGV[6] the bound (0: routing
+# off), ARGV[7] the worker queues' name prefix, ARGV[8] the list-name suffix of each priority step, '|'-joined,
+# ARGV[9] this job's suffix, ARGV[10] the wake lists' prefix, ARGV[11..] the record's field/value pairs.
+# Routes, writes the record before the message and pushes a wake token, all in one atomic step (a batch's later
+# jobs see its earlier ones in the worker queue's depth). Returns the queue.
+ENQUEUE_SCRIPT = """
+local queue, list, wake, message = ARGV[4], KEYS[2], KEYS[3], ARGV[3]
+local route = tonumber(ARGV[6]) > 0 and redis.call('GET', KEYS[4])
+if route then
+  local worker, classes = string.match(route, '^([%w_%-]+) ([%w_%-,]*)$')
+  if worker and #worker <= 64 and string.find(',' .. classes .. ',', ',' .. ARGV[5] .. ',', 1, true) then
+    local own = ARGV[7] .. worker
+    local depth = 0
+    for suffix in string.gmatch('|' .. ARGV[8], '|([^|]*)') do depth = depth + redis.call('LLEN', own .. suffix) end
+    if depth < tonumber(ARGV[6]) then
+      local s, e = string.find(message, '"routing_key": ' .. cjson.encode(queue), 1, true)
+      message = string.sub(message, 1, s - 1) .. '"routing_key": ' .. cjson.encode(own) .. string.sub(message, e + 1)
+      queue, list, wake = own, own .. ARGV[9], ARGV[10] .. own
+    end
+  end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 11))
+redis.call('HSET', KEYS[1], 'queue', queue)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('LPUSH', list, message)
+redis.call('LPUSH', wake, '1')
+redis.call('LTRIM', wake, 0, 0)
+redis.call('EXPIRE', wake, ARGV[2])
+return queue
+"""
+_SUFFIXES = "|".join(keys.priority_list("", p) for p in keys.PRIORITY_STEPS)
+
+
+def enqueue_call(job_key: str, input_key: str, model: str, cost_class: str, priority: int, *,
+                 bound: int, record_ttl: int, wake_ttl: int, message: bytes,
+                 record: Sequence[Any]) -> tuple[list[str], list[Any]]:
+    """``(keys, args)`` of one ``ENQUEUE_SCRIPT`` call.
+
+    The job goes to its input's hot worker's own queue when the input's route (``Route``, under
+    ``keys.hot_input``) names a worker that takes this cost class and that queue holds fewer than ``bound``
+    messages; otherwise, and always with ``bound`` 0 (routing off), to the shared class queue.
 
     Args:
-        model, cost_class: the job's model and cost class.
-        route: the route of the job's input (None: not hot anywhere, or routing is off).
-        depth: jobs already in (or routed in this batch to) that worker's queue for this class.
-        bound: most jobs a worker queue may hold (``VLMQ_AFFINITY_QUEUE_BOUND``).
+        message: the job's message, routed to the shared queue (``vlmq.wire``); the script rewrites its
+            routing key when it routes the job to a worker queue.
+        record: the record's field/value pairs; the script adds the ``queue`` it chose.
     """
-    if route is None or cost_class not in route.classes or depth >= bound:
-        return keys.queue(model, cost_class)
-    return keys.worker_queue(model, cost_class, route.worker)
-
-
-def route_jobs(redis: Any, jobs: Sequence[tuple[str, str, str]], bound: int) -> list[str]:
-    """The queue of each ``(input_key, model, cost_class)``: two pipelined round trips for the whole batch."""
-    if not jobs:
-        return []
-    pipe = redis.pipeline(transaction=False)
-    for input_key, model, _ in jobs:
-        pipe.get(keys.hot_input(input_key, model))
-    routes = [Route.decode(v) for v in pipe.execute()]
-    owned = [keys.worker_queue(m, c, r.worker) if r else "" for (_, m, c), r in zip(jobs, routes, strict=True)]
-    targets = sorted(set(owned) - {""})
-    depth = dict(zip(targets, queue_depths(redis, targets), strict=True))
-    queues = []
-    for (_, model, cost_class), route, own in zip(jobs, routes, owned, strict=True):
-        queue = choose_queue(model, cost_class, route, depth.get(own, 0), bound)
-        if queue == own:
-            depth[own] += 1  # the next job of this batch sees the queue one longer
-        queues.append(queue)
-    return queues
+    shared = keys.queue(model, cost_class)
+    script_keys = [job_key, keys.priority_list(shared, priority), keys.wake(shared), keys.hot_input(input_key, model)]
+    args = [record_ttl, wake_ttl, message, shared, cost_class, bound, keys.worker_queue_prefix(model, cost_class),
+            _SUFFIXES, keys.priority_list("", priority), keys.wake(""), *record]
+    return script_keys, args
 
 
 def queue_depths(redis: Any, queues: Iterable[str]) -> list[int]:

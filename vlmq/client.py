@@ -30,19 +30,11 @@ from vlmq.settings import Settings
 from vlmq.storage import ObjectTooLarge, Storage, open_storage
 from vlmq.store import JobStatus, JobStore, now
 from vlmq.webhook_guard import check_webhook
-from vlmq.wire import MessageWriter, list_for
+from vlmq.wire import MessageWriter
 
 log = logging.getLogger(__name__)
 # KEYS[1]=job hash, KEYS[2]=queue list, KEYS[3]=wake list; ARGV[1]=record TTL, ARGV[2]=wake TTL,
 # ARGV[3]=message, ARGV[4..]=record field, value pairs. The record exists before its message is visible.
-_ENQUEUE = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('LPUSH', KEYS[2], ARGV[3])
-redis.call('LPUSH', KEYS[3], '1')
-redis.call('LTRIM', KEYS[3], 0, 0)
-redis.call('EXPIRE', KEYS[3], ARGV[2])
-"""
 CHUNK = 500  # jobs per Redis transaction (records, messages and wake tokens in one round trip)
 INPUT_THREADS = 16  # concurrent input uploads of one submit_many
 WAKE_TTL = 10  # seconds an unclaimed wake token lives
@@ -382,18 +374,23 @@ class Client:
     def _enqueue(self, entries: list[tuple[str, _Prepared, Mapping[str, str]]]) -> None:
         """Records, messages and wake tokens: one script call per job, one round trip per chunk.
 
-        The script writes a job's record before its message, atomically, so a worker never pops a message
-        whose record is missing and a failed call leaves neither behind.
+        The script (``vlmq.affinity.ENQUEUE_SCRIPT``) routes the job (a hot image's worker queue, else the shared
+        one) and writes its record before its message, atomically, so a worker never pops a message whose
+        record is missing and a failed call leaves neither behind.
         """
         for start in range(0, len(entries), CHUNK):
             chunk = entries[start:start + CHUNK]
-            queues = self._route([item for _, item, _ in chunk])  # a hot image's worker queue, else the shared one
             pipe = self.redis.pipeline(transaction=False)
-            for (job_id, item, extra), queue in zip(chunk, queues, strict=True):
-                pairs = [v for kv in (self._record(job_id, item, queue) | dict(extra)).items() for v in kv]
+            bound = self.settings.affinity_queue_bound if self.settings.affinity else 0  # 0: never routed
+            for job_id, item, extra in chunk:
+                record = [v for kv in (self._record(job_id, item) | dict(extra)).items() for v in kv]
                 priority = item.request.priority
-                pipe.eval(_ENQUEUE, 3, keys.job(job_id), list_for(queue, priority), keys.wake(queue),
-                          self.settings.job_ttl, WAKE_TTL, self._writer.message(job_id, queue, priority), *pairs)
+                script_keys, args = affinity.enqueue_call(
+                    keys.job(job_id), keys.input_object(item.sha256, self.tenant), item.spec.name,
+                    item.cost.cost_class, priority, bound=bound,
+                    record_ttl=self.settings.job_ttl, wake_ttl=WAKE_TTL,
+                    message=self._writer.message(job_id, item.queue, priority), record=record)
+                pipe.eval(affinity.ENQUEUE_SCRIPT, len(script_keys), *script_keys, *args)
             try:
                 self.store.call(pipe.execute)
             except BackendError as e:
@@ -440,25 +437,14 @@ class Client:
         if not self.storage.exists(input_key):
             self.storage.put(input_key, item.data)
 
-    def _route(self, items: list[_Prepared]) -> list[str]:
-        """Each job's queue: its input's hot worker's own queue (``vlmq.affinity``), else the shared class queue."""
-        if not self.settings.affinity:
-            return [item.queue for item in items]
-        jobs = [(keys.input_object(item.sha256, self.tenant), item.spec.name, item.cost.cost_class) for item in items]
-        try:
-            return affinity.route_jobs(self.redis, jobs, self.settings.affinity_queue_bound)
-        except redis_lib.RedisError as e:  # routing only changes speed: never fail a submit over it
-            log.warning("affinity routing failed (%s); using the shared queues", e)
-            return [item.queue for item in items]
-
-    def _record(self, job_id: str, item: _Prepared, queue: str) -> dict[str, Any]:
+    def _record(self, job_id: str, item: _Prepared) -> dict[str, Any]:
         cost, request, stamp = item.cost, item.request, repr(now())
         return {
             "id": job_id, "status": JobStatus.QUEUED.value, "model": item.spec.name, "prompt": request.prompt,
             "max_new_tokens": request.max_new_tokens, "priority": request.priority,
             "input_key": keys.input_object(item.sha256, self.tenant), "image_format": item.info.format,
             "width": item.info.width, "height": item.info.height, "vision_tokens": cost.vision_tokens,
-            "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class, "queue": queue,
+            "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class,
             "created_at": stamp, "queued_at": stamp, "idempotency_key": request.idempotency_key or "",
             "attempts": 0, "ignore_eos": int(bool(request.ignore_eos)), "webhook": item.webhook,
         }

@@ -121,7 +121,12 @@ def worker_queue(model: str, cost_class: str, worker: str) -> str:
     The SDK sends a job here when its input is hot on that worker; the worker consumes it before the shared
     class queue; live workers drain it back to the shared queue when the worker dies or it grows too long.
     """
-    return f"{queue(model, cost_class)}.w.{worker_slug(worker)}"
+    return f"{worker_queue_prefix(model, cost_class)}{worker_slug(worker)}"
+
+
+def worker_queue_prefix(model: str, cost_class: str) -> str:
+    """What every worker's own queue for a model and cost class starts with (then the worker's slug)."""
+    return f"{queue(model, cost_class)}.w."
 
 
 def shared_queue(queue_name: str) -> str:

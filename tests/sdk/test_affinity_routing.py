@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from vlmq import affinity, keys
-from vlmq.affinity import Route, choose_queue
+from vlmq.affinity import Route
 from vlmq.client import Client
 from vlmq.settings import Settings
 
@@ -44,15 +44,17 @@ def settings(redis_client: object, redis_url: str, tmp_path: Path) -> Settings:
     return Settings(broker_url=redis_url, storage_url=f"file://{tmp_path / 'store'}", affinity_queue_bound=3)
 
 
-def test_choose_queue_sends_hot_jobs_to_their_worker_while_it_takes_the_class_and_has_room() -> None:
-    route = Route("w1", frozenset({"xs", "s"}))
-    shared, own = keys.queue(MODEL, "xs"), keys.worker_queue(MODEL, "xs", "w1")
-    assert own == "vlmq.tiny-shapes.xs.w.w1"
-    assert choose_queue(MODEL, "xs", route, depth=0, bound=3) == own
-    assert choose_queue(MODEL, "xs", route, depth=2, bound=3) == own
-    assert choose_queue(MODEL, "xs", route, depth=3, bound=3) == shared  # full: the shared queue
-    assert choose_queue(MODEL, "m", route, depth=0, bound=3) == keys.queue(MODEL, "m")  # w1 does not take m
-    assert choose_queue(MODEL, "xs", None, depth=0, bound=3) == shared  # not hot anywhere
+def test_a_hot_image_goes_to_the_shared_queue_when_its_worker_does_not_take_its_class_or_the_route_is_bad(
+        settings: Settings, redis_client: object) -> None:
+    data = png((200, 0, 200))
+    with Client(settings=settings) as client:
+        for route in ("w1 s,m", "w.1 xs", "w:1 xs", " xs", "w1", "x" * 65 + " xs"):  # xs not taken; malformed
+            redis_client.set(hot_key(data), route, ex=30)
+            job = client.submit(data, "q")
+            assert job.info()["queue"] == "vlmq.tiny-shapes.xs", route
+            assert job.id in job_ids(queued(redis_client, "vlmq.tiny-shapes.xs")), route
+        redis_client.set(hot_key(data), "w-1_b xs", ex=30)
+        assert client.submit(data, "q").info()["queue"] == "vlmq.tiny-shapes.xs.w.w-1_b"
 
 
 def test_routes_round_trip_and_malformed_ones_mean_the_shared_queue() -> None:
@@ -71,7 +73,10 @@ def test_submit_routes_a_hot_image_to_its_worker_up_to_the_bound(settings: Setti
         jobs = client.submit_many([{"image": hot, "prompt": f"q{i}"} for i in range(5)] +
                                   [{"image": cold, "prompt": "q"}])
         assert [j.info()["queue"] for j in jobs] == ["vlmq.tiny-shapes.xs.w.w1"] * 3 + ["vlmq.tiny-shapes.xs"] * 3
-        assert job_ids(queued(redis_client, "vlmq.tiny-shapes.xs.w.w1")) == [j.id for j in jobs[:3]]
+        routed = queued(redis_client, "vlmq.tiny-shapes.xs.w.w1")
+        assert job_ids(routed) == [j.id for j in jobs[:3]]
+        assert {m["properties"]["delivery_info"]["routing_key"] for _, m in routed} == {"vlmq.tiny-shapes.xs.w.w1"}
+        assert redis_client.llen(keys.wake("vlmq.tiny-shapes.xs.w.w1")) == 1  # an idle w1 wakes at once
         assert client.submit(hot, "later").info()["queue"] == "vlmq.tiny-shapes.xs"  # w1's queue is at its bound
 
 
