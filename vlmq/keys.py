@@ -238,9 +238,11 @@ def dead_letter(queue_name: str) -> str:
 def worker_status(name: str) -> str:
     """Hash of one live worker's model, device, load and counters, refreshed every few seconds with a short TTL.
 
-    Written by each worker (``vlmq.workers.status``); read by ``vlmq top`` (``vlmq.fleet``).
+    Written by each worker (``vlmq.workers.status``); read by ``vlmq top`` (``vlmq.fleet``). Its own prefix:
+    ``worker_stats`` (the affinity heartbeat and cache counters) lives under ``vlmq:worker:``, and a scan of one
+    must never find the other (a worker would count twice).
     """
-    return f"{PREFIX}worker:{name}"
+    return f"{PREFIX}worker-status:{name}"
 
 
 def idle_wait(token: str) -> str:

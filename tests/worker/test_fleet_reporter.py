@@ -86,3 +86,17 @@ def test_a_beat_drains_a_dead_workers_queue_and_forgets_it_later(redis_client: o
     live.forget_after = 0  # long dead: forgotten once its queues are empty
     live.sweep()
     assert (redis_client.zscore(keys.affinity_workers(MODEL), "w1") is None) == dies
+
+
+def test_a_worker_counts_once_in_vlmq_top_and_once_in_the_cache_stats(redis_client: object, redis_url: str) -> None:
+    from vlmq.cachestats import worker_stats
+    from vlmq.fleet import worker_statuses
+    from vlmq.workers.status import StatusWriter
+
+    name = "host:9"  # the default worker name's form: its slug differs
+    reporter(redis_client, redis_url, name)._publish_stats()  # the affinity heartbeat and cache counters
+    status = StatusWriter(redis_client, name, {"model": MODEL}, lambda: (0, 0))
+    redis_client.hset(status.key, mapping=status.fields())  # what its thread writes every few seconds
+    redis_client.expire(status.key, 10)
+    assert list(worker_statuses(redis_client)) == [name]
+    assert list(worker_stats(redis_client)) == [keys.worker_slug(name)]
