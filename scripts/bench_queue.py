@@ -199,6 +199,8 @@ def main() -> None:
     finally:
         server.stop()
     report = {"baseline_celery": base, "vlmq": ours, "jobs_per_mode": args.jobs, "cpus": os.cpu_count(),
+              "workers": args.workers, "producers": args.producers, "storage": str(store),
+              "date": time.strftime("%Y-%m-%d"),
               "ratios": {"single_submit_vs_celery": ours["single_submits_per_s"] / base["submits_per_s"],
                          "bulk_submit_vs_celery": ours["bulk_submits_per_s"] / base["submits_per_s"],
                          "overhead_vs_celery_round_trip": ours["queue_overhead_ms_p50"] / base["round_trip_ms_p50"]}}
