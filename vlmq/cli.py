@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from vlmq.cliformat import emit, job_lines, result_lines
+from vlmq.cliformat import cache_lines, emit, job_lines, result_lines
 from vlmq.errors import JobFailed, JobNotFound, JobTimeout, VlmqError
 
 EPILOG = """environment:
@@ -165,7 +165,8 @@ def _acl(args: argparse.Namespace) -> int:
 def _cache(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.action == "stats":
-            emit(client.cache_stats(), True)  # nested counters: shown as indented JSON either way
+            stats = client.cache_stats()
+            emit(stats, args.json, cache_lines(stats))
             return 0
         if not args.model:
             print("error: vlmq cache purge needs --model NAME (or a model hash from vlmq cache stats)",

@@ -73,6 +73,37 @@ def batch_lines(batch: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def size(num_bytes: float) -> str:
+    """``512 B``, ``40.7 KiB``, ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _rates(rates: Mapping[str, float | None]) -> str:
+    return ", ".join(f"{tier.replace('_', ' ')} {'-' if r is None else f'{r:.0%}'}" for tier, r in rates.items())
+
+
+def cache_lines(stats: Mapping[str, Any]) -> list[str]:
+    """``Client.cache_stats()``, readable: the archive per model, hit rates per model and per worker."""
+    from vlmq.cachestats import hit_rates
+
+    lines = ["archive (kv/ in the pool's storage):"]
+    lines += [f"  {entry.get('model') or '(no live worker names it)'} [{model_hash[:12]}]: {entry['objects']} "
+              f"objects, {size(entry['bytes'])}" for model_hash, entry in stats["archive"].items()] or ["  empty"]
+    for model, entry in stats["models"].items():
+        c = entry["counters"]
+        lines += [f"model {model}: {c.get('workers', 0)} worker(s), {c.get('jobs_served', 0)} jobs served, "
+                  f"{c.get('encoded_images', 0)} images encoded, {c.get('hot_inputs', 0)} hot inputs",
+                  f"  hit rates: {_rates(entry['hit_rates'])}"]
+    for name, fields in stats["workers"].items():
+        lines.append(f"worker {name} ({fields.get('model', '?')}, classes {fields.get('classes', '-')}): "
+                     f"{fields.get('jobs_served', 0)} jobs; {_rates(hit_rates(fields))}")
+    return lines
+
+
 def emit(value: Any, as_json: bool, lines: list[str] | None = None) -> None:
     """Print ``value`` as JSON, or the human ``lines``."""
     if as_json:

@@ -70,6 +70,22 @@ def test_read_commands_print_text_by_default_and_json_on_request(pool, capsys, t
     assert json.loads(out)["token_ids"] == [5, 6, 7]
 
 
+def test_cache_stats_prints_hit_rates_by_default_and_json_on_request(pool, capsys, redis_client) -> None:
+    flags, client = pool
+    heartbeat = {"model": "tiny-shapes", "classes": "s,xs", "jobs_served": 4, "encoded_images": 1,
+                 "prefix_cache_hit_tokens": 48, "prefix_cache_query_tokens": 64, "archive_hits": 0,
+                 "archive_misses": 2}
+    redis_client.hset(keys.worker_stats("host:3"), mapping=heartbeat)  # as a worker's heartbeat writes it
+    redis_client.expire(keys.worker_stats("host:3"), 30)
+    client.storage.put(f"{keys.KV_ROOT}abc123/blocks/1", b"x" * 2048)
+    code, out, _ = run(capsys, "cache", "stats", *flags)
+    assert code == 0 and "  abc123 " not in out and "abc123" in out and "1 objects, 2.0 KiB" in out
+    assert "model tiny-shapes: 1 worker(s), 4 jobs served, 1 images encoded" in out
+    assert "prefix cache 75%" in out and "archive 0%" in out and "worker host-3 (tiny-shapes, classes s,xs)" in out
+    code, out, _ = run(capsys, "cache", "stats", "--json", *flags)
+    assert json.loads(out)["models"]["tiny-shapes"]["hit_rates"]["prefix_cache"] == 0.75
+
+
 def test_wait_and_cancel_exit_codes(pool, capsys) -> None:
     flags, client = pool
     done, failing, slow = (client.submit(png(50 + i, 40), "How many circles?") for i in range(3))
