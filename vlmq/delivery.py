@@ -9,7 +9,11 @@ happens here, so a slow or dead receiver never holds a GPU worker.
   out: delivery is at least once, and receivers deduplicate on ``webhook-id``.
 - **Attempt**: the address guard (``vlmq.webhook_guard``) resolves the host and checks every address;
   the request goes to the checked address with a bounded time (``VLMQ_WEBHOOK_TIMEOUT`` for the connect,
-  each read, and the whole request); redirects are never followed.
+  each read, and the whole request, TLS handshake included); redirects are never followed.
+- **TLS**: an ``https://`` target gets SNI, ``Host`` and the certificate check for the URL's host name, not for
+  the pinned address; the trust store is the system's (``SSL_CERT_FILE``/``SSL_CERT_DIR`` replace it) plus
+  ``VLMQ_WEBHOOK_CA_FILE`` (a private CA). A certificate that fails is an attempt's error like any other
+  (retried); nothing is ever sent without a verified certificate.
 - **Outcome**: 2xx delivered; 410 Gone disables the endpoint (its later events are not sent); a refused
   target fails at once; anything else (other statuses, 3xx, timeouts, connection errors) is retried after
   the next delay of ``VLMQ_WEBHOOK_RETRY_SCHEDULE`` ±20% (longer when a 429/503 asks with
@@ -64,10 +68,12 @@ class DeliveryContext:
     resolver: Resolver = socket.getaddrinfo
     allow: tuple[Network, ...] = field(init=False)
     delays: tuple[float, ...] = field(init=False)
+    tls: ssl.SSLContext = field(init=False)
 
     def __post_init__(self) -> None:
         self.allow = parse_networks(self.settings.webhook_allow)
         self.delays = parse_delays(self.settings.webhook_retry_schedule)
+        self.tls = tls_context(self.settings.webhook_ca_file)
 
     @property
     def lease(self) -> float:
@@ -75,32 +81,50 @@ class DeliveryContext:
         return 2 * self.settings.webhook_timeout + 30
 
 
+def tls_context(ca_file: str = "") -> ssl.SSLContext:
+    """The context every https delivery verifies with: the system's trust store, plus ``ca_file`` when given.
+
+    Raises:
+        OSError, ssl.SSLError: ``ca_file`` cannot be read or holds no certificate.
+    """
+    context = ssl.create_default_context()  # verifies the chain and the host name; TLS 1.2 at least
+    if ca_file:
+        context.load_verify_locations(cafile=ca_file)
+    return context
+
+
 class _PinnedHTTP(http.client.HTTPConnection):
     """An HTTP connection to an address the guard checked, whatever the host name resolves to now."""
 
-    def __init__(self, host: str, port: int, ip: str, timeout: float) -> None:
+    def __init__(self, host: str, port: int, ip: str, timeout: float, tls: ssl.SSLContext | None = None) -> None:
         super().__init__(host, port, timeout=timeout)
         self.ip = ip
+        self.tls = tls
         self.aborted = False
 
     def connect(self) -> None:
         self.sock = socket.create_connection((self.ip, self.port), self.timeout)
 
     def abort(self) -> None:
-        """Cut the connection (from the watchdog thread): a blocked read returns at once."""
+        """Cut the connection (from the watchdog thread): a blocked read or TLS handshake returns at once."""
         self.aborted = True
         sock = self.sock
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
+            try:  # the plain socket's shutdown: SSLSocket's own drops its TLS state under a reading thread
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
             except OSError:
                 pass
 
 
 class _PinnedHTTPS(_PinnedHTTP):
+    """TLS to the pinned address, with SNI and the certificate check for the URL's host name."""
+
     def connect(self) -> None:
-        super().connect()
-        self.sock = ssl.create_default_context().wrap_socket(self.sock, server_hostname=self.host)
+        assert self.tls is not None
+        raw = socket.create_connection((self.ip, self.port), self.timeout)
+        # the handshake runs after self.sock is the TLS socket, so the watchdog can cut a handshake that trickles
+        self.sock = self.tls.wrap_socket(raw, server_hostname=self.host, do_handshake_on_connect=False)
+        self.sock.do_handshake()
 
 
 @dataclass(slots=True)
@@ -111,16 +135,22 @@ class Reply:
 
 
 def post(url: str, headers: dict[str, str], data: bytes, *, timeout: float, allow: Sequence[Network] = (),
-         resolver: Resolver = socket.getaddrinfo) -> Reply:
+         resolver: Resolver = socket.getaddrinfo, tls: ssl.SSLContext | None = None) -> Reply:
     """POST ``data`` to ``url`` once: guarded address, no redirects, at most ``timeout`` s for the request.
+
+    ``tls`` verifies https targets (default: :func:`tls_context`, the system's trust store).
 
     Raises:
         Refused: the guard refused the URL or an address it resolves to.
-        OSError, http.client.HTTPException: the request failed (``TimeoutError`` when it took too long).
+        OSError, http.client.HTTPException: the request failed (``TimeoutError`` when it took too long,
+            ``ssl.SSLCertVerificationError`` when the certificate was not trusted or not for the host).
     """
     scheme, host, port = split_url(url)
     ip = resolve(host, port, allow, resolver)
-    conn = (_PinnedHTTPS if scheme == "https" else _PinnedHTTP)(host, port, ip, timeout)
+    if scheme == "https":
+        conn: _PinnedHTTP = _PinnedHTTPS(host, port, ip, timeout, tls or tls_context())
+    else:
+        conn = _PinnedHTTP(host, port, ip, timeout)
     parts = urlsplit(url)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     watchdog = threading.Timer(timeout, conn.abort)
@@ -181,10 +211,17 @@ def _send(ctx: DeliveryContext, event_id: str, event: dict[str, str], entry: dic
         text = _body_text(ctx, event_id, event)
         headers = webhooks.sign(ctx.secrets, event_id, now(), text)
         reply = post(url, headers, text.encode(), timeout=ctx.settings.webhook_timeout, allow=ctx.allow,
-                     resolver=ctx.resolver)
+                     resolver=ctx.resolver, tls=ctx.tls)
     except Refused as e:
         entry["error"] = f"refused: {e}"
         return "refused"
+    except ssl.SSLCertVerificationError as e:
+        entry["error"] = (f"TLS certificate rejected: {e.verify_message or e}; not sent. A receiver with a private "
+                          "CA needs it in VLMQ_WEBHOOK_CA_FILE")[:500]
+        return "error"
+    except ssl.SSLError as e:
+        entry["error"] = f"TLS handshake failed: {e.reason or e}; not sent"[:500]
+        return "error"
     except (OSError, http.client.HTTPException, BackendError) as e:
         entry["error"] = f"{type(e).__name__}: {e}"[:500]
         return "error"
@@ -321,6 +358,11 @@ def run_delivery(settings: Settings, name: str | None = None) -> int:
     if not secrets:
         raise SystemExit("vlmq delivery: set VLMQ_WEBHOOK_SECRETS to one or more whsec_ secrets (receivers verify "
                          "with them); `python -m vlmq.webhooks` prints a new one")
+    try:
+        tls_context(settings.webhook_ca_file)
+    except OSError as e:  # ssl.SSLError too: a file without a certificate
+        raise SystemExit(f"vlmq delivery: VLMQ_WEBHOOK_CA_FILE={settings.webhook_ca_file!r} is not a readable PEM "
+                         f"file of CA certificates: {e}") from None
     ctx = DeliveryContext(settings, redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3),
                           open_storage(settings.storage_url, settings.s3_endpoint_url), secrets)
     app = make_delivery_app(ctx)
@@ -329,8 +371,9 @@ def run_delivery(settings: Settings, name: str | None = None) -> int:
                                                      name="webhook-schedule").start(), weak=False)
     worker_shutting_down.connect(lambda **_: stop.set(), weak=False)
     name = name or f"{socket.gethostname()}:{os.getpid()}"
-    log.info("delivery worker %s: queue %s, %d at once, timeout %g s, %d retries", name, keys.WEBHOOK_QUEUE,
-             settings.webhook_concurrency, settings.webhook_timeout, len(ctx.delays))
+    log.info("delivery worker %s: queue %s, %d at once, timeout %g s, %d retries, CA file %s", name,
+             keys.WEBHOOK_QUEUE, settings.webhook_concurrency, settings.webhook_timeout, len(ctx.delays),
+             settings.webhook_ca_file or "none (system trust store)")
     app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq-delivery", "--without-gossip",
                      "--without-mingle", "--without-heartbeat", "--pool", "threads",
                      "--concurrency", str(settings.webhook_concurrency)])

@@ -173,9 +173,12 @@ class Settings:
     webhook_retry_schedule: str = _setting(DEFAULT_RETRY_SCHEDULE, WORKER, "seconds before each webhook retry "
                                            "(±20% jitter; the first attempt is immediate)",
                                            shown="`5,300,1800,...,86400` (about 75 h)")
-    webhook_timeout: float = _setting(15.0, WORKER, "seconds a webhook request may take (its connect, each "
-                                      "read, and the whole)", parse=float)
+    webhook_timeout: float = _setting(15.0, WORKER, "seconds a webhook request may take (its connect, TLS "
+                                      "handshake, each read, and the whole)", parse=float)
     webhook_concurrency: int = _setting(16, WORKER, "webhook requests one delivery worker sends at once")
+    webhook_ca_file: str = _setting("", WORKER, "PEM file of CA certificates that delivery workers trust for "
+                                    "`https://` webhooks besides the system's (a private CA)",
+                                    shown="none (the system's trust store)")
     webhook_inline_max: int = _setting(16384, WORKER, "largest result put in a webhook body, in bytes; a larger "
                                        "one is sent as `result_url` (S3) and `result_key`")
     webhook_poll: float = _setting(0.5, WORKER, "seconds between the delivery workers' looks for due events",

@@ -1,10 +1,13 @@
 """A real webhook receiver for tests: ``http.server`` in a thread on a loopback address.
 
 It records every request (headers, body, arrival time) and answers from a script of ``Answer``s, one per
-request in order, then with ``default``. Only loopback traffic.
+request in order, then with ``default``. Only loopback traffic. With ``tls`` (a server-side SSL context) it
+serves https and records failed handshakes in ``tls_failures``.
 """
 from __future__ import annotations
 
+import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,15 +29,25 @@ class Received:
     at: float  # time.monotonic() on arrival
 
 
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class Receiver:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, script: list[Answer] | None = None,
-                 default: Answer | None = None) -> None:
+                 default: Answer | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.script = list(script or [])
         self.default = default or Answer()
         self.requests: list[Received] = []
+        self.tls_failures: list[str] = []
         self._cond = threading.Condition()
-        self._server = ThreadingHTTPServer((host, port), self._handler())
+        server_class = _IPv6Server if ":" in host else ThreadingHTTPServer
+        self._server = server_class((host, port), self._handler())
         self._server.daemon_threads = True
+        self.scheme = "https" if tls else "http"
+        if tls:  # each handshake runs in its request's thread: a stalled client holds up no other
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True,
+                                                  do_handshake_on_connect=False)
         self.host, self.port = host, self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True)
@@ -42,12 +55,24 @@ class Receiver:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/hook"
+        return f"{self.scheme}://{self.host}:{self.port}/hook"
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
+            def handle(self) -> None:
+                if isinstance(self.request, ssl.SSLSocket):
+                    try:
+                        self.request.settimeout(10)
+                        self.request.do_handshake()
+                    except OSError as e:  # ssl.SSLError included: the client refused our certificate
+                        with receiver._cond:
+                            receiver.tls_failures.append(str(e))
+                            receiver._cond.notify_all()
+                        return
+                super().handle()
+
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 body = self.rfile.read(int(self.headers.get("content-length", "0")))
                 answer = receiver._take(Received({k.lower(): v for k, v in self.headers.items()}, body,

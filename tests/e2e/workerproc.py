@@ -54,12 +54,13 @@ class WorkerProcess:
 
 
 @contextlib.contextmanager
-def ready_worker(redis_url: str, settings: Settings, log_path: Path, *extra: str) -> Iterator[WorkerProcess]:
-    """An emptied Redis database and one ready worker process, stopped on exit."""
+def ready_worker(redis_url: str, settings: Settings, log_path: Path, *extra: str,
+                 entry: tuple[str, ...] = ("-m", "vlmq.workers.main")) -> Iterator[WorkerProcess]:
+    """An emptied Redis database and one ready worker process (or another ``entry``), stopped on exit."""
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()
-    worker = WorkerProcess(settings, log_path, *extra)
+    worker = WorkerProcess(settings, log_path, *extra, entry=entry)
     try:
         worker.wait_ready()
         yield worker
