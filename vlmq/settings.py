@@ -204,6 +204,11 @@ class Settings:
     kv_disk_dir: str = _setting("", WORKER, "local-disk tier folder (emptied at start; one per worker)",
                                 shown="none (no disk tier)")
     kv_disk_bytes: int = _setting(0, WORKER, "local-disk tier bound, in bytes")
+    tenant_cache_sharing: bool = _setting(False, WORKER, "`1`: jobs of different tenants share encoder outputs, "
+                                          "prefix KV and archived KV (faster, but a tenant can tell by timing "
+                                          "that another sent the same image and prompt); `0`: each tenant's "
+                                          "caches are its own", shown="`0` (off)", parse=_flag,
+                                          to_text=_format_flag)
     affinity_ttl: int = _setting(30, WORKER, "seconds a worker's heartbeat, cache counters and hot-image routes "
                                  "live unless renewed (renewed every third of it); a dead worker's own queue "
                                  "drains back to the shared queue after it")

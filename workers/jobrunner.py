@@ -117,7 +117,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     request = GenRequest(job_id, image, record["prompt"], int(record["max_new_tokens"]),
                          ignore_eos=record.get("ignore_eos") == "1", priority=int(record.get("priority", 5)),
                          max_text_tokens=ctx.settings.text_token_bound,
-                         canceled=lambda: bool(ctx.redis.exists(keys.canceled(job_id))))
+                         canceled=lambda: bool(ctx.redis.exists(keys.canceled(job_id))),
+                         cache_salt=cache_salt(job_id, ctx.settings))
     try:
         output = ctx.batcher.submit(request).result()
     except HandBack:
@@ -173,6 +174,14 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
     metrics.job_finished(record["model"], record.get("cost_class", ""), timings["total"], first_token,
                          out.prompt_tokens, len(out.token_ids))
     return JobStatus.FINISHED.value
+
+
+def cache_salt(job_id: str, settings: Settings) -> str | None:
+    """The salt of a job's cache entries: its tenant's, so that no tenant's job hits (and, by timing or cache
+    counters, learns of) another tenant's encoder outputs, prefix KV or archived KV; None for an untenanted job,
+    and for every job with VLMQ_TENANT_CACHE_SHARING=1 (tenants that trust each other share the caches)."""
+    tenant = keys.tenant_of(job_id)
+    return None if tenant is None or settings.tenant_cache_sharing else f"tenant:{tenant}"
 
 
 def check_record(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> None:

@@ -22,6 +22,7 @@ class GenRequest:
     priority: int = 5  # the job's priority as the SDK takes it: 0 (highest) to 9 (vlmq.queue.DEFAULT_PRIORITY = 5)
     max_text_tokens: int | None = None  # text prompt tokens + max_new_tokens allowed (VLMQ_TEXT_TOKEN_BOUND)
     canceled: Callable[[], bool] | None = None  # polled during generation; True stops this request
+    cache_salt: str | None = None  # cache entries are shared only among requests of one salt (jobrunner.cache_salt)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,10 @@ tokens are the same id for every image, so without them two prompts with differe
 images would share KV. The encoding is canonical (fixed-width ints, length-prefixed
 strings), so equal inputs give equal bytes in every process; Python's hash() is salted
 per process and too weak for identity.
+
+A sequence's cache salt (its tenant's, unless the pool shares caches across tenants) replaces the chain's root,
+so every block hash of a salted sequence differs from an unsalted or differently salted one: two tenants never
+share a prefix block, even for the same image and prompt. No salt keeps the root (and every hash) as before.
 """
 from __future__ import annotations
 
@@ -18,6 +22,11 @@ from collections.abc import Sequence as Seq
 from .sequence import ImagePlaceholder, Sequence
 
 ROOT_HASH = bytes(32)
+
+
+def root_hash(salt: str = "") -> bytes:
+    """The chain's parent of block 0: ROOT_HASH, or for a salted sequence sha256(ROOT_HASH ‖ salt)."""
+    return hashlib.sha256(ROOT_HASH + salt.encode()).digest() if salt else ROOT_HASH
 
 
 def image_extra_keys(images: Seq[ImagePlaceholder], start: int, end: int) -> tuple[tuple[str, int], ...]:
@@ -42,6 +51,6 @@ def seq_block_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[by
     hashes = seq.block_hashes
     for i in range(len(hashes), num_blocks):
         start, end = i * block_size, (i + 1) * block_size
-        parent = hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else root_hash(seq.cache_salt)
         hashes.append(hash_block(parent, seq.token_ids[start:end], image_extra_keys(seq.images, start, end)))
     return hashes[:num_blocks]

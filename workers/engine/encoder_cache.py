@@ -36,12 +36,16 @@ def _canonical(value: Any) -> Any:
                      "pass str, int, float, bool, None, lists or dicts")
 
 
-def make_key(pixel_hash: str, model_id: str, processor_settings: Mapping[str, Any]) -> str:
-    """Exact encoder-cache key: canonical pixel hash + model id + processor settings.
+def make_key(pixel_hash: str, model_id: str, processor_settings: Mapping[str, Any], salt: str | None = None) -> str:
+    """Exact encoder-cache key: canonical pixel hash + model id + processor settings (+ the request's cache salt).
 
-    Dict order, tuples versus lists and integral floats do not change the key.
+    Dict order, tuples versus lists and integral floats do not change the key. A salt (a tenant's: see
+    block_hash.root_hash) makes a key no unsalted or differently salted request can hit; no salt leaves the key
+    as it always was.
     """
     payload = {"pixels": pixel_hash, "model": model_id, "processor": _canonical(processor_settings)}
+    if salt:
+        payload["salt"] = salt
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -32,6 +32,9 @@ class Request:
     temperature: float = 0.0  # 0 = greedy
     seed: int | None = None  # sampling: the request's own random stream, reproducible whatever it is batched with
     max_text_tokens: int | None = None  # bound on text prompt tokens (all but image tokens) + max_new_tokens
+    # cross-request cache isolation: requests share encoder outputs, prefix KV and archived KV only with requests
+    # of the same salt (the worker gives a tenant's jobs the tenant's; None: shared with every unsalted request)
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -89,9 +92,10 @@ class Preprocessor:
         positions, delta = self.positions(ids, grid_thw, req.max_new_tokens)
         # Without sharing, every request gets its own key: no encoder-cache or image-prefix reuse across requests.
         settings = self.settings if self.share else {**self.settings, "request": request_id}
-        key = make_key(pixel_hash(req.image), self.model_id, settings)
+        key = make_key(pixel_hash(req.image), self.model_id, settings, req.cache_salt)
         image = ImagePlaceholder(key, at, num_tokens, num_patches)
-        seq = Sequence(request_id, ids, images=(image,), sampling=sampling, priority=req.priority)
+        seq = Sequence(request_id, ids, images=(image,), sampling=sampling, priority=req.priority,
+                       cache_salt=req.cache_salt or "")
         return Prepared(seq, pixel_values, grid_thw, positions, delta)
 
     def positions(self, ids: list[int], grid_thw: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, int]:

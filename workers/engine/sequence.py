@@ -75,10 +75,10 @@ class SamplingParams:
 class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "images", "sampling", "priority",
                  "arrival_step", "status", "num_computed_tokens", "num_cached_tokens", "block_table",
-                 "block_hashes", "spec_token_ids")
+                 "block_hashes", "spec_token_ids", "cache_salt")
 
     def __init__(self, seq_id: SeqId, token_ids: list[int], *, images: tuple[ImagePlaceholder, ...] = (),
-                 sampling: SamplingParams | None = None, priority: int = 0) -> None:
+                 sampling: SamplingParams | None = None, priority: int = 0, cache_salt: str = "") -> None:
         if not token_ids:
             raise ValueError(f"sequence {seq_id!r} has an empty prompt")
         images = tuple(sorted(images, key=lambda im: im.offset))
@@ -102,6 +102,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of token_ids, filled lazily
         # proposed next tokens (speculative decoding) for the coming step; never part of token_ids until verified
         self.spec_token_ids: list[int] = []
+        self.cache_salt = cache_salt  # enters the root of block_hashes: "" shares prefix blocks with every request
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
