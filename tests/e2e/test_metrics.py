@@ -184,8 +184,12 @@ def test_json_logs_name_the_job_model_class_worker_and_phase(worker: tuple[Setti
         job = client.submit(png(64, 64, 7), PROMPT, max_new_tokens=4)
         job.result(timeout=120)
         info = job.info()
-    lines = [line for line in proc.log().splitlines() if job.id in line]
-    docs = [json.loads(line) for line in lines]  # every line about the job is one JSON object
+
+    def job_lines() -> list[str] | None:  # the worker logs "finished" just after the result is visible
+        lines = [line for line in proc.log().splitlines() if job.id in line]
+        return lines if any('"finished"' in line for line in lines) else None
+
+    docs = [json.loads(line) for line in wait_for(job_lines, 10, "the job's finished log line")]  # one JSON each
     assert {d["job_id"] for d in docs} == {job.id}
     assert {(d["model"], d["class"], d["worker"]) for d in docs} == {(info["model"], info["cost_class"],
                                                                       info["worker"])}

@@ -76,9 +76,10 @@ def test_the_cache_command_prints_stats_and_purges(redis_client: object, redis_u
         return subprocess.run([sys.executable, "-m", "vlmq.cli", "cache", *args], env=env, capture_output=True,
                               text=True, timeout=60)
 
-    shown = vlmq("stats")
+    shown = vlmq("stats", "--json")
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["archive"]["h1"]["bytes"] == 150
+    assert "2 objects, 150 B" in vlmq("stats").stdout
     purged = vlmq("purge", "--model", "tiny-shapes")
     assert purged.returncode == 0 and "deleted 2 archived objects (150 bytes)" in purged.stdout
     missing = vlmq("purge")
