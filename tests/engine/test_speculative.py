@@ -214,3 +214,28 @@ def test_adaptive_k_follows_acceptance_and_switches_off_for_large_batches():
     for _ in range(10):
         ak.observe("b", 4, 4)
     assert ak.k_for("b", 1, 100) == 4 and ak.k_for("b", 9, 100) == 0 and ak.k_for("b", 1, 3) == 2
+
+
+def test_head_runner_computes_what_the_trained_head_computes():
+    """The serving path (prepared weights, incremental cache, rotation matrices) gives the head's own forward,
+    whether the positions come in one call or several."""
+    from pathlib import Path
+
+    from vlmq.workers.engine.spec_head import HeadCache, HeadRunner, load_head
+    from vlmq.workers.models.loader import load_model
+
+    model_dir = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
+    target = load_model(model_dir, torch.device("cpu"), torch.float32)
+    head = load_head(model_dir / "spec-head")
+    runner = HeadRunner(head, target.language_model.embed_tokens.weight, target.lm_head)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.nn.functional.normalize(torch.randn(9, 128, generator=g), dim=-1) * 128 ** 0.5
+    ids = torch.randint(0, target.config.text_config.vocab_size, (9,), generator=g)
+    with torch.inference_mode():
+        want = head(feats[None], target.language_model.embed_tokens(ids)[None])[0]
+        cache = HeadCache()
+        got = torch.cat([runner(feats[a:b], ids[a:b], cache) for a, b in ((0, 4), (4, 5), (5, 9))])
+        assert torch.allclose(got, want, atol=1e-4)
+        cache.length = 4  # positions dropped and fed again (as after rejected proposals)
+        assert torch.allclose(runner(feats[4:], ids[4:], cache), want[4:], atol=1e-4)
+        assert torch.equal(runner.logits(got).argmax(-1), target.compute_logits(want).argmax(-1))

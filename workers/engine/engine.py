@@ -233,12 +233,21 @@ class Engine:
         prepare_all_first: the first step waits until every image is preprocessed, so the scheduler sees the whole
         batch at once (otherwise steps start as soon as one request is ready and the rest join as they arrive)."""
         ids = [self.add_request(r) for r in requests]
-        while prepare_all_first and self._ready.qsize() < len(self._preparing):
-            time.sleep(0.005)
+        if prepare_all_first:
+            self._wait_prepared()
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             results.update((o.request_id, o) for o in self.step())
         return [results[i] for i in ids]
+
+    def _wait_prepared(self) -> None:
+        # block on the ready queue (no polling: a sleep would add its quantum to every call) until every request
+        # being preprocessed is ready, then put what was taken back in order for _admit
+        taken: list[tuple[str, Future | None]] = []
+        while sum(f is not None and r in self._preparing for r, f in taken) < len(self._preparing):
+            taken.append(self._ready.get())
+        for item in taken:
+            self._ready.put(item)
 
     def _admit(self) -> None:
         tiers = self.tiers
