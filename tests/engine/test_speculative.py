@@ -239,3 +239,28 @@ def test_head_runner_computes_what_the_trained_head_computes():
         cache.length = 4  # positions dropped and fed again (as after rejected proposals)
         assert torch.allclose(runner(feats[4:], ids[4:], cache), want[4:], atol=1e-4)
         assert torch.equal(runner.logits(got).argmax(-1), target.compute_logits(want).argmax(-1))
+
+
+def test_a_model_folder_names_its_default_proposer(tmp_path):
+    """speculative="model" (the worker's default) runs what the folder's vlmq.json names: the bundled tiny-shapes
+    its head; "none" or None turns it off; a folder naming no proposer, or none at all, runs without."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from vlmq.workers.engine.engine import Engine
+    from vlmq.workers.engine.proposers import model_default_proposer
+
+    bundled = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
+    assert model_default_proposer(bundled) == "head"
+    assert Engine.from_model_dir(bundled, num_blocks=64, speculative="model").proposer.name == "head"
+    for off in ("none", None):
+        assert Engine.from_model_dir(bundled, num_blocks=64, speculative=off).proposer is None
+    folder = Path(shutil.copytree(bundled, tmp_path / "m", ignore=shutil.ignore_patterns("spec-head")))
+    (folder / "vlmq.json").write_text(json.dumps({"speculative": "ngram"}))
+    assert Engine.from_model_dir(folder, num_blocks=64, speculative="model").proposer.name == "ngram"
+    (folder / "vlmq.json").write_text(json.dumps({"speculative": "eagle"}))
+    with pytest.raises(ValueError, match="vlmq.json"):
+        model_default_proposer(folder)
+    (folder / "vlmq.json").unlink()
+    assert Engine.from_model_dir(folder, num_blocks=64, speculative="model").proposer is None

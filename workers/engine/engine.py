@@ -39,7 +39,7 @@ from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .kv_budget import kv_cache_num_blocks
 from .kv_tiers import KVTiers
 from .model_runner import ModelRunner
-from .proposers import Proposer, make_proposer
+from .proposers import Proposer, make_proposer, speculative_config
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence
 from .spec_decode import AdaptiveK, SpecConfig, SpecStats
@@ -122,7 +122,8 @@ class Engine:
         """Load model, processor and generation config; `config` holds EngineConfig fields.
 
         speculative: "ngram", "draft:<path>" (a text-only causal LM with the same tokenizer) or "head" (the
-        model folder's `spec-head`), or a SpecConfig; None: off.
+        model folder's `spec-head`), or a SpecConfig; "model": the proposer the model folder names in its vlmq.json
+        (proposers.model_default_proposer; the worker's default), off if none; None or "none": off.
 
         The KV cache has `num_blocks` blocks, or as many as fit in `kv_cache_bytes`, or (CUDA only) in
         `kv_cache_memory_fraction` of the device memory free once the weights are loaded, less the activation peak
@@ -152,7 +153,7 @@ class Engine:
                                              kv_cache_memory_fraction, max_model_len)
             engine_config = replace(engine_config, num_blocks=num_blocks)
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        spec = SpecConfig(speculative) if isinstance(speculative, str) else speculative
+        spec = speculative_config(speculative, model_dir)
         proposer = make_proposer(spec.method, model_dir, model, engine_config, device, dtype) if spec else None
         return cls(model, processor, engine_config, device=device,
                    model_id=model_id or default_model_id(model_dir),
