@@ -294,6 +294,8 @@ class Engine:
         decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
         for seq in decodes:
             seq.spec_token_ids = []  # proposals live for one step (with their laws in self._draft_probs)
+        if len(decodes) > self.adaptive_k.max_batch:  # off for a batch this large: nothing more to pay per sequence
+            return
         ks = [self.adaptive_k.k_for(s.seq_id, len(decodes), s.sampling.max_new_tokens - s.num_completion_tokens)
               for s in decodes]
         chosen = [(s, k) for s, k in zip(decodes, ks, strict=True) if k > 0]
