@@ -27,7 +27,7 @@ from tiny.shapes import make_split
 
 from vlmq.workers.engine.engine import Engine, Request
 from vlmq.workers.engine.proposers import HEAD_DIR
-from vlmq.workers.engine.spec_decode import SpecConfig, SpecStats
+from vlmq.workers.engine.spec_decode import MAX_BATCH, SpecConfig, SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "workers" / "assets" / "tiny-shapes"
@@ -127,7 +127,7 @@ def main() -> None:
     rows = bench(args.quick, 1 if args.quick else args.rounds)
     meta = dict(model=MODEL.name, max_new_tokens=MAX_NEW, torch_threads=1, wall_s=round(time.perf_counter() - t0),
                 rounds=1 if args.quick else args.rounds,
-                default=dict(max_k=SpecConfig("ngram").max_k, max_batch=SpecConfig("ngram").max_batch))
+                default=dict(max_k=SpecConfig("ngram").max_k, max_batch=MAX_BATCH))
     Path(args.json).parent.mkdir(exist_ok=True)
     Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {args.json} in {meta['wall_s']} s")

@@ -12,7 +12,7 @@ from test_scheduler import image_seq, small_config, text_seq
 
 from vlmq.workers.engine import Scheduler, SequenceStatus, spec_decode
 from vlmq.workers.engine.proposers import ngram_lookup
-from vlmq.workers.engine.spec_decode import AdaptiveK, verify
+from vlmq.workers.engine.spec_decode import AdaptiveK, SpecConfig, verify
 from vlmq.workers.engine.testing import FakeRunner, check_step, reference_completion
 
 
@@ -214,6 +214,9 @@ def test_adaptive_k_follows_acceptance_and_switches_off_for_large_batches():
     for _ in range(10):
         ak.observe("b", 4, 4)
     assert ak.k_for("b", 1, 100) == 4 and ak.k_for("b", 9, 100) == 0 and ak.k_for("b", 1, 3) == 2
+    # the default threshold is the proposer's measured one (spec_decode.MAX_BATCH), or what the config says
+    assert SpecConfig("head").max_batch == 8 and SpecConfig("ngram").max_batch == 4
+    assert SpecConfig("ngram", max_batch=0).max_batch == 0
 
 
 def test_head_runner_computes_what_the_trained_head_computes():

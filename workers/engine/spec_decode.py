@@ -152,21 +152,28 @@ class AdaptiveK:
         self.idle.pop(seq_id, None)
 
 
+# Default max_batch per proposer, measured by scripts/bench_speculative.py on tiny-shapes (CPU; its `forced` rows):
+# proposals forced on at batch 8 gained 1.2-1.6x with the head and cost up to 10% with n-gram or the draft model; at
+# batch 32 every proposer lost a few percent.
+MAX_BATCH = {"ngram": 4, "draft": 4, "head": 8}
+
+
 @dataclass(slots=True)
 class SpecConfig:
     """Speculative decoding settings: the proposer and the adaptive-k limits (see AdaptiveK)."""
 
     method: str  # "ngram", "draft:<path to a text-only causal LM>" or "head" (the model folder's spec-head)
     max_k: int = 6  # with the head at batch 1 on tiny-shapes, 6 beat 4 by about 10% (more when accepted runs are long)
-    # more decodes than this in a step: no proposals. Measured (scripts/bench_speculative.py, tiny-shapes, CPU): at
-    # batch 8, proposals forced on were within about ±8% of plain decoding for every proposer; at batch 1 the head
-    # gains 1.7x. Raise it for a large model on a GPU, where a decode step stays memory-bound longer.
-    max_batch: int = 4
+    # more decodes than this in a step: no proposals; None: the proposer's MAX_BATCH. Raise it for a large model on
+    # a GPU, where a decode step stays memory-bound longer.
+    max_batch: int | None = None
     adaptive: bool = True  # False: always max_k proposals (below max_batch)
 
     def __post_init__(self) -> None:
         kind = self.method.partition(":")[0]
-        if kind not in ("ngram", "draft", "head") or (kind == "draft") != (":" in self.method):
+        if kind not in MAX_BATCH or (kind == "draft") != (":" in self.method):
             raise ValueError(f"speculative must be 'ngram', 'draft:<path>' or 'head', got {self.method!r}")
+        if self.max_batch is None:
+            self.max_batch = MAX_BATCH[kind]
         if self.max_k < 1 or self.max_batch < 0:
             raise ValueError(f"invalid speculative settings {self!r}")
