@@ -212,8 +212,9 @@ def load_head(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype
 @dataclass(slots=True)
 class _HeadSeq:
     first: int  # sequence position of the first target hidden state the head has (after any prefix-cache hit)
-    # the target's hidden states of positions first .. first + num_features - 1: [n_i, H] pieces, joined when read
-    pieces: list[torch.Tensor]
+    # the target's hidden states of positions first .. first + num_features - 1: (step hidden states [T, H], first
+    # row, end row) pieces, joined when read
+    pieces: list[tuple[torch.Tensor, int, int]]
     num_features: int
     # the head's keys/values of positions first .. first + cache.length - 1, each fed (h_j, x_{j+1}) with the
     # target's own h_j: those stay valid; positions fed with the head's own guesses are dropped after proposing
@@ -249,29 +250,28 @@ class HeadProposer(Proposer):
 
     # -- what the target computed ----------------------------------------------------------------
     def observe(self, out, runner_out, hidden: torch.Tensor | None) -> None:
-        row = 0
+        # no tensor work here (it runs for every sequence of every step): rows are sliced when a sequence proposes
+        row, more = 0, runner_out.more_token_ids
         for s in out.scheduled:
-            rows, row = hidden[row:row + s.num_new_tokens], row + s.num_new_tokens
+            first_row, row = row, row + s.num_new_tokens
             if s.seq.is_finished:
                 continue
-            valid = s.num_new_tokens - s.num_spec_tokens
-            if s.sample:
-                valid += len(runner_out.more_token_ids.get(s.seq_id, ()))
+            valid = s.num_new_tokens - s.num_spec_tokens + (len(more.get(s.seq_id, ())) if s.sample else 0)
             # the head's context starts at the last prompt token (its hidden state sums up image and question)
             skip = max(0, s.seq.num_prompt_tokens - 1 - s.start)
             if skip < valid:
-                self._add_features(s.seq_id, s.start + skip, rows[skip:valid])
+                self._add_features(s.seq_id, s.start + skip, (hidden, first_row + skip, first_row + valid))
 
-    def _add_features(self, seq_id: SeqId, start: int, rows: torch.Tensor) -> None:
-        # rows: the target's hidden states of positions start .. start + len(rows) - 1
-        st = self.state.get(seq_id)
+    def _add_features(self, seq_id: SeqId, start: int, piece: tuple[torch.Tensor, int, int]) -> None:
+        # piece: rows a .. b - 1 of a step's hidden states, the target's states of positions start .. start + b - a - 1
+        st, (hidden, a, b) = self.state.get(seq_id), piece
         if st is None or start > st.first + st.num_features:  # first sight, or a gap after a prefix-cache hit
-            self.state[seq_id] = _HeadSeq(start, [rows], len(rows))
+            self.state[seq_id] = _HeadSeq(start, [piece], b - a)
             return
         have = st.first + st.num_features
-        if start + len(rows) > have:  # a view kept until the next proposal: no copy per step
-            st.pieces.append(rows[have - start:])
-            st.num_features += start + len(rows) - have
+        if start + b - a > have:
+            st.pieces.append((hidden, a + have - start, b))
+            st.num_features = start + b - a - st.first
 
     # -- proposing ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -287,8 +287,10 @@ class HeadProposer(Proposer):
         known = len(ids)
         st.cache.length = min(st.cache.length, known - 1)  # the last known position is always run again
         if len(st.pieces) > 1:
-            st.pieces = [torch.cat(st.pieces)]
-        feats = st.pieces[0][st.cache.length:]
+            joined = torch.cat([hidden[a:b] for hidden, a, b in st.pieces])
+            st.pieces = [(joined, 0, len(joined))]
+        hidden, a, b = st.pieces[0]
+        feats = hidden[a + st.cache.length:b]
         tokens = torch.tensor(ids[st.cache.length:], device=self.device)
         temp, guesses, probs = seq.sampling.temperature, [], []
         for _ in range(k):
