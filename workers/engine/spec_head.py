@@ -292,8 +292,10 @@ class HeadProposer(Proposer):
         hidden, a, b = st.pieces[0]
         feats = hidden[a + st.cache.length:b]
         tokens = torch.tensor(ids[st.cache.length:], device=self.device)
-        temp, guesses, probs = seq.sampling.temperature, [], []
+        temp, eos, guesses, probs = seq.sampling.temperature, seq.sampling.eos_token_ids, [], []
         for _ in range(k):
+            if guesses and eos and int(guesses[-1]) in eos:  # nothing after an eos is ever verified
+                break
             guess = self.runner(feats, tokens, st.cache)[-1:]  # [1, H]
             logits = self.runner.logits(guess)[0]
             if temp > 0:
