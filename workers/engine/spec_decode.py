@@ -153,8 +153,8 @@ class AdaptiveK:
 
 
 # Default max_batch per proposer, measured by scripts/bench_speculative.py on tiny-shapes (CPU; its `forced` rows):
-# proposals forced on at batch 8 gained 1.2-1.6x with the head and cost up to 10% with n-gram or the draft model; at
-# batch 32 every proposer lost a few percent.
+# proposals forced on at batch 8 gained 1.28-1.45x with the head, none with n-gram (0.99-1.00x) and lost up to 8% with
+# the draft model; at batch 32 n-gram and the draft lost up to 7%, and the head (0.99-1.09x) no longer paid reliably.
 MAX_BATCH = {"ngram": 4, "draft": 4, "head": 8}
 
 
