@@ -214,6 +214,9 @@ def test_adaptive_k_follows_acceptance_and_switches_off_for_large_batches():
     for _ in range(10):
         ak.observe("b", 4, 4)
     assert ak.k_for("b", 1, 100) == 4 and ak.k_for("b", 9, 100) == 0 and ak.k_for("b", 1, 3) == 2
+    slow = AdaptiveK(max_k=4, max_batch=8)
+    slow.observe_cost(0.05, 1, 0.0, 1, decode_only=False)  # a proposer far dearer than a target step
+    assert sum(slow.k_for("c", 1, 100) for _ in range(64)) == 1  # no sequence's acceptance would pay: rare probes
     # the default threshold is the proposer's measured one (spec_decode.MAX_BATCH), or what the config says
     assert SpecConfig("head").max_batch == 8 and SpecConfig("ngram").max_batch == 4
     assert SpecConfig("ngram", max_batch=0).max_batch == 0

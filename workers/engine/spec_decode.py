@@ -93,8 +93,9 @@ class AdaptiveK:
     decodes in a step that costs α + β × tokens (the target, fitted on decode-only steps) and a proposer that takes
     p per proposal, a sequence's share of the step grows from α / n + β by k × (p + β): k maximises tokens over
     cost. All times are the engine thread's CPU time (observe_cost). When k is 0 the sequence probes with one
-    proposal every `probe_every` steps. Off altogether above `max_batch` decodes (measured by
-    scripts/bench_speculative.py: where verifying extra tokens stops paying).
+    proposal every `probe_every` steps (8x as rarely while the acceptance of all sequences would not pay either).
+    Off altogether above `max_batch` decodes (measured by scripts/bench_speculative.py: where verifying extra tokens
+    stops paying).
     """
 
     max_k: int = 6
@@ -116,13 +117,19 @@ class AdaptiveK:
             return 0
         if not self.adaptive:
             return max(0, min(self.max_k, remaining - 1))
-        a = min(self.rate.get(seq_id, self.prior), 0.99)
         c = (self.proposal_s + self.token_s) / (self.step_s / max(num_decodes, 1) + self.token_s)
-        k = max(range(self.max_k + 1), key=lambda j: (1 - a ** (j + 1)) / (1 - a) / (1 + c * j))
+        k = self._best_k(self.rate.get(seq_id, self.prior), c)
         if k == 0:
-            self.idle[seq_id] = self.idle.get(seq_id, 0) + 1
-            k = int(self.idle[seq_id] % self.probe_every == 0)
+            idle = self.idle[seq_id] = self.idle.get(seq_id, 0) + 1
+            # probes cost a proposal each: 8x rarer while even the acceptance of all sequences would not pay
+            if idle % self.probe_every == 0:
+                k = int(idle % (8 * self.probe_every) == 0 or self._best_k(self.prior, c) > 0)
         return max(0, min(k, remaining - 1))
+
+    def _best_k(self, a: float, c: float) -> int:
+        # k proposals at per-token acceptance a, each costing c target tokens' share: the most tokens per cost
+        a = min(a, 0.99)
+        return max(range(self.max_k + 1), key=lambda j: (1 - a ** (j + 1)) / (1 - a) / (1 + c * j))
 
     def observe_cost(self, propose_s: float, num_proposals: int, target_s: float, num_tokens: int,
                      decode_only: bool) -> None:
