@@ -12,8 +12,8 @@ every engine once, in an order that rotates from round to round, so load from ot
 `_median` fields the median rounds.
 
 `adaptive` rows use the engine's default SpecConfig (adaptive k, off above max_batch decodes); `forced` rows set
-max_batch above the batch, which measures where verifying proposals stops paying: the default max_batch comes
-from there.
+max_batch above the batch (adaptive k still picks k), which measures where proposing stops paying: the default
+thresholds (spec_decode.MAX_BATCH) come from there.
 """
 from __future__ import annotations
 

@@ -159,9 +159,9 @@ class AdaptiveK:
         self.idle.pop(seq_id, None)
 
 
-# Default max_batch per proposer, measured by scripts/bench_speculative.py on tiny-shapes (CPU; its `forced` rows):
-# proposals forced on at batch 8 gained 1.28-1.45x with the head, none with n-gram (0.99-1.00x) and lost up to 8% with
-# the draft model; at batch 32 n-gram and the draft lost up to 7%, and the head (0.99-1.09x) no longer paid reliably.
+# Default max_batch per proposer, measured by scripts/bench_speculative.py on tiny-shapes (CPU; its `forced` rows lift
+# the threshold): at batch 8 the head gained 1.26-1.40x, n-gram and the draft model about nothing (0.93-1.02x over
+# runs; adaptive k alone proposes little for them); at batch 32 the gains are gone (0.93-1.10x over runs, noise).
 MAX_BATCH = {"ngram": 4, "draft": 4, "head": 8}
 
 
