@@ -5,13 +5,15 @@ relative to the same engine without speculation, per proposer and batch size, in
 
 Workloads (held-out splits of the bundled model, see its README): "captions" (seed 22, "Describe the image.",
 the long answers where decode dominates) and "mixed" (seed 7: 40% captions, the rest short questions). Batch b
-runs the requests in waves of b submitted at once (batch 1: one request at a time). Greedy, eos on; every
-proposer's tokens are checked equal to the plain engine's. Rounds interleave the engines (plain, then each
-proposer) so load from other processes hits all alike; each figure is the best round.
+runs the requests in waves of b submitted at once (batch 1: one request at a time; 32 requests at batch 1, 96 at
+batch 8 and 32). Greedy, eos on; every proposer's tokens are checked equal to the plain engine's. Each round runs
+every engine once, in an order that rotates from round to round, so load from other processes hits all alike;
+`speedup` / `speedup_wall` compare the best round of each engine (least CPU time, least wall-clock time), the
+`_median` fields the median rounds.
 
 `adaptive` rows use the engine's default SpecConfig (adaptive k, off above max_batch decodes); `forced` rows set
-max_batch above the batch, which measures where verifying proposals stops paying: the default max_batch comes
-from there.
+max_batch above the batch (adaptive k still picks k), which measures where proposing stops paying: the default
+thresholds (spec_decode.MAX_BATCH) come from there.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from tiny.shapes import make_split
 
 from vlmq.workers.engine.engine import Engine, Request
 from vlmq.workers.engine.proposers import HEAD_DIR
-from vlmq.workers.engine.spec_decode import SpecConfig, SpecStats
+from vlmq.workers.engine.spec_decode import MAX_BATCH, SpecConfig, SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "workers" / "assets" / "tiny-shapes"
@@ -33,8 +35,11 @@ DRAFT = ROOT / "workers" / "assets" / "tiny-shapes-draft"
 MAX_NEW = 64
 
 
+NUM_BATCH1 = 32  # requests at batch 1 (one at a time)
+
+
 def workloads(quick: bool) -> dict[str, list[Request]]:
-    n = 32 if quick else 64
+    n = 32 if quick else 96
     captions = make_split(22, n, caption_prob=1.0)
     mixed = make_split(7, n)
     return {"captions": [Request(e.image, e.question, MAX_NEW) for e in captions],
@@ -65,36 +70,49 @@ def bench(quick: bool, rounds: int) -> list[dict]:
                                                        speculative=SpecConfig(m, max_batch=10_000))
     rows = []
     for name, requests in workloads(quick).items():
-        run(engines[None], requests[:8], 8)  # warm-up
+        for engine in engines.values():  # warm-up: an engine's first wave of 32 takes about twice as long
+            run(engine, requests[:32], 32)
         for batch in (1, 8, 32):
-            reqs = requests[:16] if batch == 1 else requests
-            best: dict = {}
-            for _ in range(rounds):
-                for key, engine in engines.items():
-                    if key is not None and key[1] == "forced" and batch == 1:
-                        continue  # same as adaptive at batch 1
-                    result = run(engine, reqs, batch)
-                    if key not in best or result[1] < best[key][1]:
-                        best[key] = result
-            rows += report(name, batch, best)
+            reqs = requests[:NUM_BATCH1] if batch == 1 else requests
+            # forced equals adaptive at batch 1 (below max_batch)
+            keys = [k for k in engines if batch > 1 or k is None or k[1] != "forced"]
+            results: dict = {k: [] for k in keys}
+            for r in range(rounds):
+                for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                    results[key].append(run(engines[key], reqs, batch))
+            rows += report(name, batch, results)
     for engine in engines.values():
         engine.close()
     return rows
 
 
-def report(workload: str, batch: int, best: dict) -> list[dict]:
-    base_wall, base_cpu, base_tokens, _ = best[None]
-    num_tokens = sum(map(len, base_tokens))
-    rows = [dict(workload=workload, batch=batch, proposer="none", mode="-", tokens=num_tokens,
-                 wall_s=round(base_wall, 3), cpu_s=round(base_cpu, 3), tokens_per_s=round(num_tokens / base_cpu, 1),
-                 speedup=1.0, speedup_wall=1.0)]
-    for (method, mode), (wall, cpu, tokens, st) in ((k, v) for k, v in best.items() if k is not None):
-        rows.append(dict(workload=workload, batch=batch, proposer=method.split(":")[0], mode=mode, tokens=num_tokens,
-                         wall_s=round(wall, 3), cpu_s=round(cpu, 3), tokens_per_s=round(num_tokens / cpu, 1),
-                         speedup=round(base_cpu / cpu, 3), speedup_wall=round(base_wall / wall, 3),
-                         acceptance=round(st.acceptance_rate, 3),
-                         tokens_per_forward=round(st.tokens_per_forward, 3), proposed=st.num_proposed,
-                         accepted=st.num_accepted, same_tokens=tokens == base_tokens))
+def summary(results: list[tuple]) -> dict:
+    """Best and median round of one engine: wall and CPU seconds; the tokens and stats of its least-CPU round."""
+    walls, cpus = sorted(r[0] for r in results), sorted(r[1] for r in results)
+    best = min(results, key=lambda r: r[1])
+    tokens_same = all(r[2] == best[2] for r in results)
+    return dict(wall=walls[0], cpu=cpus[0], wall_median=walls[len(walls) // 2], cpu_median=cpus[len(cpus) // 2],
+                tokens=best[2] if tokens_same else None, stats=best[3])
+
+
+def report(workload: str, batch: int, results: dict) -> list[dict]:
+    base = summary(results[None])
+    num_tokens = sum(map(len, base["tokens"]))
+    rows = [dict(workload=workload, batch=batch, proposer="none", mode="-", requests=len(base["tokens"]),
+                 tokens=num_tokens, wall_s=round(base["wall"], 3), cpu_s=round(base["cpu"], 3),
+                 tokens_per_s=round(num_tokens / base["cpu"], 1), speedup=1.0, speedup_wall=1.0)]
+    for (method, mode), runs in ((k, v) for k, v in results.items() if k is not None):
+        got = summary(runs)
+        st = got["stats"]
+        rows.append(dict(
+            workload=workload, batch=batch, proposer=method.split(":")[0], mode=mode, requests=len(base["tokens"]),
+            tokens=num_tokens, wall_s=round(got["wall"], 3), cpu_s=round(got["cpu"], 3),
+            tokens_per_s=round(num_tokens / got["cpu"], 1), speedup=round(base["cpu"] / got["cpu"], 3),
+            speedup_wall=round(base["wall"] / got["wall"], 3),
+            speedup_median=round(base["cpu_median"] / got["cpu_median"], 3),
+            speedup_wall_median=round(base["wall_median"] / got["wall_median"], 3),
+            acceptance=round(st.acceptance_rate, 3), tokens_per_forward=round(st.tokens_per_forward, 3),
+            proposed=st.num_proposed, accepted=st.num_accepted, same_tokens=got["tokens"] == base["tokens"]))
     for r in rows:
         print(json.dumps(r))
     return rows
@@ -103,13 +121,14 @@ def report(workload: str, batch: int, best: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 requests a workload, one round")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=str(ROOT / "bench-results" / "speculative.json"))
     args = parser.parse_args()
     t0 = time.perf_counter()
     rows = bench(args.quick, 1 if args.quick else args.rounds)
     meta = dict(model=MODEL.name, max_new_tokens=MAX_NEW, torch_threads=1, wall_s=round(time.perf_counter() - t0),
-                default=dict(max_k=SpecConfig("ngram").max_k, max_batch=SpecConfig("ngram").max_batch))
+                rounds=1 if args.quick else args.rounds,
+                default=dict(max_k=SpecConfig("ngram").max_k, max_batch=MAX_BATCH))
     Path(args.json).parent.mkdir(exist_ok=True)
     Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {args.json} in {meta['wall_s']} s")

@@ -213,8 +213,10 @@ class Settings:
                                  "live unless renewed (renewed every third of it); a dead worker's own queue "
                                  "drains back to the shared queue after it")
     speculative: str = _setting("", WORKER, "speculative decoding in the engine backend: `ngram`, `draft:<path>` "
-                                "(a small text LM with the model's tokenizer; relative to the model folder) or "
-                                "`head` (the model folder's `spec-head`)", shown="off")
+                                "(a small text LM with the model's tokenizer; relative to the model folder), "
+                                "`head` (the model folder's `spec-head`) or `none`; unset: what the model folder "
+                                "names in its `vlmq.json` (tiny-shapes: `head`), else none",
+                                shown="the model's default")
 
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
@@ -229,8 +231,9 @@ class Settings:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         kind, sep, path = self.speculative.partition(":")
-        if self.speculative and (kind not in ("ngram", "draft", "head") or (kind == "draft") != bool(sep and path)):
-            raise ValueError(f"speculative must be ngram, draft:<path> or head, got {self.speculative!r}")
+        if self.speculative not in ("", "none") and (kind not in ("ngram", "draft", "head")
+                                                     or (kind == "draft") != bool(sep and path)):
+            raise ValueError(f"speculative must be ngram, draft:<path>, head or none, got {self.speculative!r}")
         if min(self.shutdown_grace, self.storage_retry, self.retention) < 0:
             raise ValueError("shutdown_grace, storage_retry and retention must not be negative")
         if not 0 <= self.metrics_port < 65536:

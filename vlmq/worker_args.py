@@ -15,8 +15,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, help="most jobs held at once (VLMQ_WORKER_BATCH)")
     parser.add_argument("--backend", choices=BACKENDS,
                         help="engine (the vlmq engine; default) or hf (plain transformers generate) (VLMQ_BACKEND)")
-    parser.add_argument("--speculative", help="speculative decoding (engine backend): ngram, draft:<path> or head "
-                        "(VLMQ_SPECULATIVE)")
+    parser.add_argument("--speculative", help="speculative decoding (engine backend): ngram, draft:<path>, head or "
+                        "none; default: the model folder's choice (its vlmq.json), else none (VLMQ_SPECULATIVE)")
     parser.add_argument("--name", help="worker name shown in results")
     parser.add_argument("--log-format", choices=LOG_FORMATS,
                         help="text, or json: one JSON object per line (VLMQ_LOG_FORMAT)")

@@ -95,7 +95,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
 
         kv_store = store_from_settings(settings, spec.name, model_dir(spec), storage)
     backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
-                           kv_store=kv_store, speculative=settings.speculative or None)
+                           kv_store=kv_store, speculative=settings.speculative or "model")
     redis = redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3)
     fleet = FleetReporter(redis, settings, spec.name, name, classes, backend.cache_stats)
     # the worker's own queues (affinity routing) cost what the shared queue of their class costs

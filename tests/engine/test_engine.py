@@ -167,7 +167,7 @@ def test_preemption_keeps_outputs_identical(model_dir, workload, reference):
 def test_speculative_greedy_equals_transformers_with_caches_and_preemption(model_dir, workload, reference, method):
     """Proposals verified in (k+1)-token chunks change no token: the whole workload at once, prefix and encoder
     caches on, a KV budget that forces preemption, max_k proposals at every batch size (fixed k: deterministic)."""
-    spec = SpecConfig(method, max_batch=10_000, adaptive=False)
+    spec = SpecConfig(method, max_k=4, max_batch=10_000, adaptive=False)  # 4: this KV budget preempts
     engine = Engine.from_model_dir(model_dir, num_blocks=30, speculative=spec)
     outputs = engine.generate([Request(img, q, MAX_NEW) for img, q in workload], prepare_all_first=True)
     check_outputs(outputs, workload, reference)

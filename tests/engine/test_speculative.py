@@ -12,7 +12,7 @@ from test_scheduler import image_seq, small_config, text_seq
 
 from vlmq.workers.engine import Scheduler, SequenceStatus, spec_decode
 from vlmq.workers.engine.proposers import ngram_lookup
-from vlmq.workers.engine.spec_decode import AdaptiveK, verify
+from vlmq.workers.engine.spec_decode import AdaptiveK, SpecConfig, verify
 from vlmq.workers.engine.testing import FakeRunner, check_step, reference_completion
 
 
@@ -214,3 +214,59 @@ def test_adaptive_k_follows_acceptance_and_switches_off_for_large_batches():
     for _ in range(10):
         ak.observe("b", 4, 4)
     assert ak.k_for("b", 1, 100) == 4 and ak.k_for("b", 9, 100) == 0 and ak.k_for("b", 1, 3) == 2
+    slow = AdaptiveK(max_k=4, max_batch=8)
+    slow.observe_cost(0.05, 1, 0.0, 1, decode_only=False)  # a proposer far dearer than a target step
+    assert sum(slow.k_for("c", 1, 100) for _ in range(64)) == 1  # no sequence's acceptance would pay: rare probes
+    # the default threshold is the proposer's measured one (spec_decode.MAX_BATCH), or what the config says
+    assert SpecConfig("head").max_batch == 8 and SpecConfig("ngram").max_batch == 4
+    assert SpecConfig("ngram", max_batch=0).max_batch == 0
+
+
+def test_head_runner_computes_what_the_trained_head_computes():
+    """The serving path (prepared weights, incremental cache, rotation matrices) gives the head's own forward,
+    whether the positions come in one call or several."""
+    from pathlib import Path
+
+    from vlmq.workers.engine.spec_head import HeadCache, HeadRunner, load_head
+    from vlmq.workers.models.loader import load_model
+
+    model_dir = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
+    target = load_model(model_dir, torch.device("cpu"), torch.float32)
+    head = load_head(model_dir / "spec-head")
+    runner = HeadRunner(head, target.language_model.embed_tokens.weight, target.lm_head)
+    g = torch.Generator().manual_seed(0)
+    feats = torch.nn.functional.normalize(torch.randn(9, 128, generator=g), dim=-1) * 128 ** 0.5
+    ids = torch.randint(0, target.config.text_config.vocab_size, (9,), generator=g)
+    with torch.inference_mode():
+        want = head(feats[None], target.language_model.embed_tokens(ids)[None])[0]
+        cache = HeadCache()
+        got = torch.cat([runner(feats[a:b], ids[a:b], cache) for a, b in ((0, 4), (4, 5), (5, 9))])
+        assert torch.allclose(got, want, atol=1e-4)
+        cache.length = 4  # positions dropped and fed again (as after rejected proposals)
+        assert torch.allclose(runner(feats[4:], ids[4:], cache), want[4:], atol=1e-4)
+        assert torch.equal(runner.logits(got).argmax(-1), target.compute_logits(want).argmax(-1))
+
+
+def test_a_model_folder_names_its_default_proposer(tmp_path):
+    """speculative="model" (the worker's default) runs what the folder's vlmq.json names: the bundled tiny-shapes
+    its head; "none" or None turns it off; a folder naming no proposer, or none at all, runs without."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from vlmq.workers.engine.engine import Engine
+    from vlmq.workers.engine.proposers import model_default_proposer
+
+    bundled = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
+    assert model_default_proposer(bundled) == "head"
+    assert Engine.from_model_dir(bundled, num_blocks=64, speculative="model").proposer.name == "head"
+    for off in ("none", None):
+        assert Engine.from_model_dir(bundled, num_blocks=64, speculative=off).proposer is None
+    folder = Path(shutil.copytree(bundled, tmp_path / "m", ignore=shutil.ignore_patterns("spec-head")))
+    (folder / "vlmq.json").write_text(json.dumps({"speculative": "ngram"}))
+    assert Engine.from_model_dir(folder, num_blocks=64, speculative="model").proposer.name == "ngram"
+    (folder / "vlmq.json").write_text(json.dumps({"speculative": "eagle"}))
+    with pytest.raises(ValueError, match="vlmq.json"):
+        model_default_proposer(folder)
+    (folder / "vlmq.json").unlink()
+    assert Engine.from_model_dir(folder, num_blocks=64, speculative="model").proposer is None

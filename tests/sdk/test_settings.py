@@ -135,7 +135,8 @@ def test_kv_archive_quantisation_is_per_model() -> None:
 
 def test_speculative_setting_is_checked() -> None:
     assert Settings.from_env({"VLMQ_SPECULATIVE": "draft:../draft"}).speculative == "draft:../draft"
-    assert Settings.from_env({}).speculative == ""
+    assert Settings.from_env({}).speculative == ""  # the model folder's default
+    assert Settings.from_env({"VLMQ_SPECULATIVE": "none"}).speculative == "none"
     for bad in ("eagle", "draft", "ngram:x"):
         with pytest.raises(ValueError, match="speculative"):
             Settings.from_env({"VLMQ_SPECULATIVE": bad})

@@ -12,7 +12,7 @@ def load_backend(name: str, model_dir: str, device: str, *, kv_tokens: int | Non
                  kv_store: Any = None, speculative: str | None = None) -> Backend:
     """Load a backend by name; ``kv_tokens``: tokens held at once (the worker's budget), for the engine's KV cache;
     ``kv_store``: the engine's KV tiers and archive (a ``vlmq.workers.kvstore.KVStore``); ``speculative``: the
-    engine's proposer (Engine.from_model_dir), None for none."""
+    engine's proposer (Engine.from_model_dir: a method, "model" for the model folder's default, None for none)."""
     if name == "engine":
         from vlmq.workers.backends.engine import EngineBackend
 

@@ -39,7 +39,7 @@ from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .kv_budget import kv_cache_num_blocks
 from .kv_tiers import KVTiers
 from .model_runner import ModelRunner
-from .proposers import Proposer, make_proposer
+from .proposers import Proposer, make_proposer, speculative_config
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence
 from .spec_decode import AdaptiveK, SpecConfig, SpecStats
@@ -122,7 +122,8 @@ class Engine:
         """Load model, processor and generation config; `config` holds EngineConfig fields.
 
         speculative: "ngram", "draft:<path>" (a text-only causal LM with the same tokenizer) or "head" (the
-        model folder's `spec-head`), or a SpecConfig; None: off.
+        model folder's `spec-head`), or a SpecConfig; "model": the proposer the model folder names in its vlmq.json
+        (proposers.model_default_proposer; the worker's default), off if none; None or "none": off.
 
         The KV cache has `num_blocks` blocks, or as many as fit in `kv_cache_bytes`, or (CUDA only) in
         `kv_cache_memory_fraction` of the device memory free once the weights are loaded, less the activation peak
@@ -152,7 +153,7 @@ class Engine:
                                              kv_cache_memory_fraction, max_model_len)
             engine_config = replace(engine_config, num_blocks=num_blocks)
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        spec = SpecConfig(speculative) if isinstance(speculative, str) else speculative
+        spec = speculative_config(speculative, model_dir)
         proposer = make_proposer(spec.method, model_dir, model, engine_config, device, dtype) if spec else None
         return cls(model, processor, engine_config, device=device,
                    model_id=model_id or default_model_id(model_dir),
@@ -233,12 +234,21 @@ class Engine:
         prepare_all_first: the first step waits until every image is preprocessed, so the scheduler sees the whole
         batch at once (otherwise steps start as soon as one request is ready and the rest join as they arrive)."""
         ids = [self.add_request(r) for r in requests]
-        while prepare_all_first and self._ready.qsize() < len(self._preparing):
-            time.sleep(0.005)
+        if prepare_all_first:
+            self._wait_prepared()
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             results.update((o.request_id, o) for o in self.step())
         return [results[i] for i in ids]
+
+    def _wait_prepared(self) -> None:
+        # block on the ready queue (no polling: a sleep would add its quantum to every call) until every request
+        # being preprocessed is ready, then put what was taken back in order for _admit
+        taken: list[tuple[str, Future | None]] = []
+        while sum(f is not None and r in self._preparing for r, f in taken) < len(self._preparing):
+            taken.append(self._ready.get())
+        for item in taken:
+            self._ready.put(item)
 
     def _admit(self) -> None:
         tiers = self.tiers
@@ -284,6 +294,8 @@ class Engine:
         decodes = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
         for seq in decodes:
             seq.spec_token_ids = []  # proposals live for one step (with their laws in self._draft_probs)
+        if len(decodes) > self.adaptive_k.max_batch:  # off for a batch this large: nothing more to pay per sequence
+            return
         ks = [self.adaptive_k.k_for(s.seq_id, len(decodes), s.sampling.max_new_tokens - s.num_completion_tokens)
               for s in decodes]
         chosen = [(s, k) for s, k in zip(decodes, ks, strict=True) if k > 0]

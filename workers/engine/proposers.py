@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from vlmq.workers.models.text_lm import load_text_lm
 
 from .block_manager import BlockManager, num_blocks_for, slot_mapping
 from .sequence import SeqId, Sequence
+from .spec_decode import SpecConfig
 
 
 @dataclass(slots=True)
@@ -202,6 +204,22 @@ class DraftProposer(Proposer):
 
 
 HEAD_DIR = "spec-head"  # the vision-aware head's folder inside a model folder
+MODEL_SETTINGS = "vlmq.json"  # a model folder's serving defaults, e.g. {"speculative": "head"}
+
+
+def model_default_proposer(model_dir: str | Path) -> str | None:
+    """The proposer a model folder names (`"speculative"` in its vlmq.json), or None: what the worker runs when
+    --speculative / VLMQ_SPECULATIVE is not given. A bad name fails here, naming the file."""
+    path = Path(model_dir, MODEL_SETTINGS)
+    if not path.is_file():
+        return None
+    method = json.loads(path.read_text()).get("speculative") or None
+    if method is not None:
+        try:
+            SpecConfig(method)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return method
 
 
 def make_proposer(method: str, model_dir: Path, model, config, device: torch.device,
@@ -217,3 +235,12 @@ def make_proposer(method: str, model_dir: Path, model, config, device: torch.dev
     from .spec_head import HeadProposer  # noqa: PLC0415 - only with a head
 
     return HeadProposer.from_dir(Path(model_dir, HEAD_DIR), model, device, dtype)
+
+
+def speculative_config(speculative: str | SpecConfig | None, model_dir: str | Path) -> SpecConfig | None:
+    """Engine.from_model_dir's `speculative`: a SpecConfig, a method, "model" (the folder's default) or None/"none"."""
+    if speculative == "model":
+        speculative = model_default_proposer(model_dir)
+    if speculative is None or speculative == "none":
+        return None
+    return SpecConfig(speculative) if isinstance(speculative, str) else speculative

@@ -93,11 +93,12 @@ class AdaptiveK:
     decodes in a step that costs α + β × tokens (the target, fitted on decode-only steps) and a proposer that takes
     p per proposal, a sequence's share of the step grows from α / n + β by k × (p + β): k maximises tokens over
     cost. All times are the engine thread's CPU time (observe_cost). When k is 0 the sequence probes with one
-    proposal every `probe_every` steps. Off altogether above `max_batch` decodes (measured by
-    scripts/bench_speculative.py: where verifying extra tokens stops paying).
+    proposal every `probe_every` steps (8x as rarely while the acceptance of all sequences would not pay either).
+    Off altogether above `max_batch` decodes (measured by scripts/bench_speculative.py: where verifying extra tokens
+    stops paying).
     """
 
-    max_k: int = 4
+    max_k: int = 6
     max_batch: int = 4
     decay: float = 0.7  # weight of the past in the running acceptance
     probe_every: int = 8
@@ -116,13 +117,19 @@ class AdaptiveK:
             return 0
         if not self.adaptive:
             return max(0, min(self.max_k, remaining - 1))
-        a = min(self.rate.get(seq_id, self.prior), 0.99)
         c = (self.proposal_s + self.token_s) / (self.step_s / max(num_decodes, 1) + self.token_s)
-        k = max(range(self.max_k + 1), key=lambda j: (1 - a ** (j + 1)) / (1 - a) / (1 + c * j))
+        k = self._best_k(self.rate.get(seq_id, self.prior), c)
         if k == 0:
-            self.idle[seq_id] = self.idle.get(seq_id, 0) + 1
-            k = int(self.idle[seq_id] % self.probe_every == 0)
+            idle = self.idle[seq_id] = self.idle.get(seq_id, 0) + 1
+            # probes cost a proposal each: 8x rarer while even the acceptance of all sequences would not pay
+            if idle % self.probe_every == 0:
+                k = int(idle % (8 * self.probe_every) == 0 or self._best_k(self.prior, c) > 0)
         return max(0, min(k, remaining - 1))
+
+    def _best_k(self, a: float, c: float) -> int:
+        # k proposals at per-token acceptance a, each costing c target tokens' share: the most tokens per cost
+        a = min(a, 0.99)
+        return max(range(self.max_k + 1), key=lambda j: (1 - a ** (j + 1)) / (1 - a) / (1 + c * j))
 
     def observe_cost(self, propose_s: float, num_proposals: int, target_s: float, num_tokens: int,
                      decode_only: bool) -> None:
@@ -152,21 +159,28 @@ class AdaptiveK:
         self.idle.pop(seq_id, None)
 
 
+# Default max_batch per proposer, measured by scripts/bench_speculative.py on tiny-shapes (CPU; its `forced` rows lift
+# the threshold): at batch 8 the head gained 1.26-1.40x, n-gram and the draft model about nothing (0.93-1.02x over
+# runs; adaptive k alone proposes little for them); at batch 32 the gains are gone (0.93-1.10x over runs, noise).
+MAX_BATCH = {"ngram": 4, "draft": 4, "head": 8}
+
+
 @dataclass(slots=True)
 class SpecConfig:
     """Speculative decoding settings: the proposer and the adaptive-k limits (see AdaptiveK)."""
 
     method: str  # "ngram", "draft:<path to a text-only causal LM>" or "head" (the model folder's spec-head)
-    max_k: int = 4
-    # more decodes than this in a step: no proposals. Measured (scripts/bench_speculative.py, tiny-shapes, CPU): at
-    # batch 8, proposals forced on were within about ±8% of plain decoding for every proposer; at batch 1 the head
-    # gains 1.7x. Raise it for a large model on a GPU, where a decode step stays memory-bound longer.
-    max_batch: int = 4
+    max_k: int = 6  # with the head at batch 1 on tiny-shapes, 6 beat 4 by about 10% (more when accepted runs are long)
+    # more decodes than this in a step: no proposals; None: the proposer's MAX_BATCH. Raise it for a large model on
+    # a GPU, where a decode step stays memory-bound longer.
+    max_batch: int | None = None
     adaptive: bool = True  # False: always max_k proposals (below max_batch)
 
     def __post_init__(self) -> None:
         kind = self.method.partition(":")[0]
-        if kind not in ("ngram", "draft", "head") or (kind == "draft") != (":" in self.method):
+        if kind not in MAX_BATCH or (kind == "draft") != (":" in self.method):
             raise ValueError(f"speculative must be 'ngram', 'draft:<path>' or 'head', got {self.method!r}")
+        if self.max_batch is None:
+            self.max_batch = MAX_BATCH[kind]
         if self.max_k < 1 or self.max_batch < 0:
             raise ValueError(f"invalid speculative settings {self!r}")

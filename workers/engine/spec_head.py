@@ -9,8 +9,9 @@ image. The head reads, at each position j, the pair (h_j, x_{j+1}) (hidden state
 and proposes k tokens by feeding its own guesses back: (f_{j+1}, x_{j+2}) -> f_{j+2} -> x_{j+3} ... Its attention
 runs over its own cache of the positions from the last prompt token on (that hidden state already sums up the
 image and the question; reading the image tokens again costs a long first step and, per ViSpec, a shallow head
-averages them away), with the sequence index as rotary position (the target's hidden states carry the M-RoPE
-layout). A prompt served whole from the prefix cache has no hidden state here: the head starts after it.
+averages them away), with its own position index (0 at its first position, as in training) as rotary position:
+rotary attention depends only on distances, and the target's hidden states carry the M-RoPE layout. A prompt
+served whole from the prefix cache has no hidden state here: the head starts after it.
 Trained by scripts/train_spec_head.py; shipped as `<model>/spec-head`.
 """
 from __future__ import annotations
@@ -57,35 +58,25 @@ class SpecHead(nn.Module):
                     intermediate_size=intermediate_size or tc.intermediate_size, rope_theta=10000.0,
                     hidden_act=tc.hidden_act)
 
-    def forward(self, features: torch.Tensor, embeds: torch.Tensor, start: int = 0,
-                cache: HeadCache | None = None) -> torch.Tensor:
-        """features, embeds: [B, n, H] (h_j and embed(x_{j+1}) of positions start .. start + n - 1) -> guesses of
-        h_{j+1} [B, n, H]. cache (B = 1): the keys and values of the positions before; these n go after them."""
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """features, embeds: [B, n, H] (h_j and embed(x_{j+1}) of positions 0 .. n - 1) -> guesses of h_{j+1}
+        [B, n, H], causal. Training and reference; serving runs HeadRunner (the same math on prepared weights)."""
         x = self.fc(torch.cat([features, embeds], dim=-1))
         b, n, hidden = x.shape
         attn, layer = self.layer.self_attn, self.layer
-        cos, sin = self._rope(start + n, x)
-        cos, sin = cos[start:start + n], sin[start:start + n]  # [n, D]
-        if b > 1:
-            cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)
+        cos, sin = self._rope(n, x)
+        cos, sin = cos[:n].repeat(b, 1), sin[:n].repeat(b, 1)  # [B * n, D]
         qkv_w, qkv_b, gate_up_w = self._fused()
         h = _rms_norm(x, layer.input_layernorm).view(b * n, -1)
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
         qkv = F.linear(h, qkv_w, qkv_b).view(b * n, heads + 2 * kv_heads, -1)  # q, k and v heads in one call
         qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
-        if cache is not None:
-            k, v = cache.append(k, v)  # [P + n, Hkv, D]
         groups, d = heads // kv_heads, q.shape[-1]
         # grouped-query attention as one batch per KV head: query rows (group, position) share its keys
         q = q.reshape(b, n, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)
-        k, v = (t.view(b, -1, kv_heads, d).transpose(1, 2) for t in (k, v))  # [B, Hkv, P + n, D]
-        p = k.shape[2] - n  # causal within the new positions, all of the past visible
-        mask = None
-        if n > 1:
-            mask = torch.arange(p + n, device=x.device)[None] <= p + torch.arange(n, device=x.device)[:, None]
-            mask = mask.repeat(groups, 1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, Hkv, G * n, D]
+        k, v = (t.view(b, -1, kv_heads, d).transpose(1, 2) for t in (k, v))  # [B, Hkv, n, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(0, n, groups, x.device))  # [B, Hkv, G * n, D]
         x = x + attn.o_proj(o.view(b, kv_heads, groups, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, -1))
         gate, up = F.linear(_rms_norm(x, layer.post_attention_layernorm), gate_up_w).chunk(2, dim=-1)
         x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
@@ -112,26 +103,99 @@ class SpecHead(nn.Module):
         return table
 
 
+def _causal(past: int, n: int, groups: int, device: torch.device) -> torch.Tensor | None:
+    # query rows (group, position) see every past position and the new ones up to their own
+    if n == 1:
+        return None
+    mask = torch.arange(past + n, device=device)[None] <= past + torch.arange(n, device=device)[:, None]
+    return mask.repeat(groups, 1)
+
+
 class HeadCache:
-    """Keys and values of one sequence's head positions, in buffers that grow by doubling."""
+    """Keys and values of one sequence's head positions, [Hkv, capacity, D] buffers that grow by doubling."""
 
     def __init__(self) -> None:
-        self.k: torch.Tensor | None = None  # [capacity, Hkv, D]
+        self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> KV:
-        # k, v: [n, Hkv, D] -> views of every position's keys and values [length + n, Hkv, D]
-        end = self.length + len(k)
-        if self.k is None or end > len(self.k):
+        # k, v: [Hkv, n, D] -> views of every position's keys and values [Hkv, length + n, D]
+        end = self.length + k.shape[1]
+        if self.k is None or end > self.k.shape[1]:
             cap = max(64, 2 * end)
-            grown = [torch.empty(cap, *k.shape[1:], dtype=k.dtype, device=k.device) for _ in range(2)]
+            grown = [k.new_empty(k.shape[0], cap, k.shape[2]) for _ in range(2)]
             if self.k is not None:
-                grown[0][:self.length], grown[1][:self.length] = self.k[:self.length], self.v[:self.length]
+                grown[0][:, :self.length], grown[1][:, :self.length] = self.k[:, :self.length], self.v[:, :self.length]
             self.k, self.v = grown
-        self.k[self.length:end], self.v[self.length:end] = k, v
+        self.k[:, self.length:end], self.v[:, self.length:end] = k, v
         self.length = end
-        return self.k[:end], self.v[:end]
+        return self.k[:, :end], self.v[:, :end]
+
+
+class HeadRunner:
+    """SpecHead.forward for serving, one sequence over its HeadCache, on weights prepared once: fc's token half
+    and bias as a table per token id (no embedding lookup or concatenation), the RMSNorm weights and the attention
+    scale folded into the next matmul, rotary as one [D, D] rotation per position (one batched matmul for q and
+    k), and plain tensor calls. With a one-layer head the per-call overhead is most of a proposal's time."""
+
+    def __init__(self, head: SpecHead, embed: torch.Tensor, lm_head: nn.Linear) -> None:
+        layer, attn, hidden = head.layer, head.layer.self_attn, head.fc.out_features
+        fc_w = head.fc.weight  # [H, 2H]: the feature half, then the token half
+        self.feat_w = fc_w[:, :hidden].T.contiguous()
+        self.token_rows = F.linear(embed, fc_w[:, hidden:], head.fc.bias)  # [vocab, H]
+        qkv_w, qkv_b, gate_up_w = head._fused()
+        # norm(x) * w == x / |x| * (w * sqrt(H)) (RMSNorm's eps, 1e-6 against |x|² / H, left out)
+        scale = [n.weight * hidden ** 0.5 for n in (layer.input_layernorm, layer.post_attention_layernorm, head.norm)]
+        q_rows = attn.num_heads * attn.head_dim
+        q_scale = torch.ones(len(qkv_b), dtype=qkv_b.dtype, device=qkv_b.device)
+        q_scale[:q_rows] = attn.head_dim ** -0.5
+        self.qkv_w = (qkv_w * scale[0][None] * q_scale[:, None]).T.contiguous()
+        self.qkv_b = qkv_b * q_scale
+        self.gate_up_w = (gate_up_w * scale[1][None]).T.contiguous()
+        self.o_w, self.down_w = attn.o_proj.weight.T.contiguous(), layer.mlp.down_proj.weight.T.contiguous()
+        self.act, self.out_scale = layer.mlp.act_fn, scale[2]
+        self.lm_w, self.lm_b = lm_head.weight, lm_head.bias
+        self.heads, self.kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head, self.rot = head, torch.empty(0)
+
+    def __call__(self, features: torch.Tensor, token_ids: torch.Tensor, cache: HeadCache) -> torch.Tensor:
+        """features [n, H] (h_j of the cache's next n positions), token_ids [n] (x_{j+1}) -> guesses [n, H]."""
+        n, start = len(token_ids), cache.length
+        x = torch.addmm(self.token_rows[token_ids], features, self.feat_w)
+        heads, kv_heads = self.heads, self.kv_heads
+        qkv = torch.addmm(self.qkv_b, _unit(x), self.qkv_w).view(n, heads + 2 * kv_heads, -1)
+        qk = torch.bmm(qkv[:, :heads + kv_heads], self._rotations(start + n)[start:start + n])  # rotary
+        groups, d = heads // kv_heads, qk.shape[-1]
+        k, v = cache.append(qk[:, heads:].transpose(0, 1), qkv[:, heads + kv_heads:].transpose(0, 1))
+        q = qk[:, :heads].reshape(n, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, d)
+        scores = torch.bmm(q, k.transpose(1, 2))  # [Hkv, G * n, P + n], q already scaled
+        if n > 1:
+            scores.masked_fill_(~_causal(start, n, groups, x.device), float("-inf"))
+        o = torch.bmm(torch.softmax(scores, dim=-1), v)
+        x = torch.addmm(x, o.view(kv_heads, groups, n, d).permute(2, 0, 1, 3).reshape(n, -1), self.o_w)
+        gate, up = torch.mm(_unit(x), self.gate_up_w).chunk(2, dim=-1)
+        x = torch.addmm(x, self.act(gate) * up, self.down_w)
+        return _unit(x) * self.out_scale
+
+    def logits(self, guess: torch.Tensor) -> torch.Tensor:
+        return F.linear(guess, self.lm_w, self.lm_b)
+
+    def _rotations(self, num_positions: int) -> torch.Tensor:
+        # [P, D, D]: x @ rot[p] == apply_rotary(x, cos[p], sin[p]) (x * cos + rotate_half(x) * sin)
+        if len(self.rot) < num_positions:
+            cos, sin = self.head._rope(num_positions, self.feat_w)
+            half = cos.shape[1] // 2
+            i = torch.arange(half, device=cos.device)
+            rot = torch.diag_embed(cos)
+            rot[:, i + half, i] = -sin[:, :half]
+            rot[:, i, i + half] = sin[:, half:]
+            self.rot = rot
+        return self.rot
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 
 
 def _rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -148,21 +212,25 @@ def load_head(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype
 @dataclass(slots=True)
 class _HeadSeq:
     first: int  # sequence position of the first target hidden state the head has (after any prefix-cache hit)
-    # the target's hidden states of positions first .. first + num_features - 1: [n_i, H] pieces, joined when read
-    pieces: list[torch.Tensor]
+    # the target's hidden states of positions first .. first + num_features - 1: (step hidden states [T, H], first
+    # row, end row) pieces, joined when read
+    pieces: list[tuple[torch.Tensor, int, int]]
     num_features: int
-    fed: list[int] = field(default_factory=list)  # x_{j+1} of each position j in the head's cache
-    cache: HeadCache = field(default_factory=lambda: HeadCache())  # the head's keys/values of those positions
+    # the head's keys/values of positions first .. first + cache.length - 1, each fed (h_j, x_{j+1}) with the
+    # target's own h_j: those stay valid; positions fed with the head's own guesses are dropped after proposing
+    cache: HeadCache = field(default_factory=lambda: HeadCache())
 
 
 class HeadProposer(Proposer):
-    """One sequence at a time on a plain per-sequence cache: a one-layer head costs less in tensor calls this way
-    than through the paged path (which pays off for a batch; the head runs on small ones, see AdaptiveK)."""
+    """One sequence at a time on a plain per-sequence cache (HeadRunner): a one-layer head costs less in tensor
+    calls this way than through the paged path (which pays off for a batch; the head runs on small ones, see
+    AdaptiveK)."""
 
     name = "head"
 
     def __init__(self, head: SpecHead, target: Qwen2VLModel, device: torch.device | str = "cpu") -> None:
         self.head, self.target, self.device = head, target, torch.device(device)
+        self.runner = HeadRunner(head, target.language_model.embed_tokens.weight, target.lm_head)
         self.state: dict[SeqId, _HeadSeq] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(0)
 
@@ -182,29 +250,30 @@ class HeadProposer(Proposer):
 
     # -- what the target computed ----------------------------------------------------------------
     def observe(self, out, runner_out, hidden: torch.Tensor | None) -> None:
-        row = 0
+        # no tensor work here (it runs for every sequence of every step): rows are sliced when a sequence proposes
+        if hidden.is_cuda and out.num_scheduled_tokens == len(out.scheduled):
+            hidden = hidden.clone()  # a plain decode step may be a CUDA-graph replay: its static output is reused
+        row, more = 0, runner_out.more_token_ids
         for s in out.scheduled:
-            rows, row = hidden[row:row + s.num_new_tokens], row + s.num_new_tokens
+            first_row, row = row, row + s.num_new_tokens
             if s.seq.is_finished:
                 continue
-            valid = s.num_new_tokens - s.num_spec_tokens
-            if s.sample:
-                valid += len(runner_out.more_token_ids.get(s.seq_id, ()))
+            valid = s.num_new_tokens - s.num_spec_tokens + (len(more.get(s.seq_id, ())) if s.sample else 0)
             # the head's context starts at the last prompt token (its hidden state sums up image and question)
             skip = max(0, s.seq.num_prompt_tokens - 1 - s.start)
             if skip < valid:
-                self._add_features(s.seq_id, s.start + skip, rows[skip:valid])
+                self._add_features(s.seq_id, s.start + skip, (hidden, first_row + skip, first_row + valid))
 
-    def _add_features(self, seq_id: SeqId, start: int, rows: torch.Tensor) -> None:
-        # rows: the target's hidden states of positions start .. start + len(rows) - 1
-        st = self.state.get(seq_id)
+    def _add_features(self, seq_id: SeqId, start: int, piece: tuple[torch.Tensor, int, int]) -> None:
+        # piece: rows a .. b - 1 of a step's hidden states, the target's states of positions start .. start + b - a - 1
+        st, (hidden, a, b) = self.state.get(seq_id), piece
         if st is None or start > st.first + st.num_features:  # first sight, or a gap after a prefix-cache hit
-            self.state[seq_id] = _HeadSeq(start, [rows], len(rows))
+            self.state[seq_id] = _HeadSeq(start, [piece], b - a)
             return
         have = st.first + st.num_features
-        if start + len(rows) > have:  # a view kept until the next proposal: no copy per step
-            st.pieces.append(rows[have - start:])
-            st.num_features += start + len(rows) - have
+        if start + b - a > have:
+            st.pieces.append((hidden, a + have - start, b))
+            st.num_features = start + b - a - st.first
 
     # -- proposing ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -217,33 +286,26 @@ class HeadProposer(Proposer):
             return Proposal([])
         # position j reads (h_j, x_{j+1}) for every j with a target hidden state; the last one gives proposal 1
         ids = seq.token_ids[st.first + 1:st.first + 1 + st.num_features]
-        # the cache keeps only positions fed with the target's states and real tokens: they stay valid
-        same = min(len(st.fed), len(ids) - 1)
-        self._truncate(st, same)
-        tokens, temp, probs = [], seq.sampling.temperature, []
+        known = len(ids)
+        st.cache.length = min(st.cache.length, known - 1)  # the last known position is always run again
         if len(st.pieces) > 1:
-            st.pieces = [torch.cat(st.pieces)]
-        feats, new, known = st.pieces[0][same:], ids[same:], len(ids)
+            joined = torch.cat([hidden[a:b] for hidden, a, b in st.pieces])
+            st.pieces = [(joined, 0, len(joined))]
+        hidden, a, b = st.pieces[0]
+        feats = hidden[a + st.cache.length:b]
+        tokens = torch.tensor(ids[st.cache.length:], device=self.device)
+        temp, eos, guesses, probs = seq.sampling.temperature, seq.sampling.eos_token_ids, [], []
         for _ in range(k):
-            guess = self._run(st, feats, new)  # [H]
-            logits = self.target.compute_logits(guess).float()
+            if guesses and eos and int(guesses[-1]) in eos:  # nothing after an eos is ever verified
+                break
+            guess = self.runner(feats, tokens, st.cache)[-1:]  # [1, H]
+            logits = self.runner.logits(guess)[0]
             if temp > 0:
-                probs.append(torch.softmax(logits / temp, dim=-1))
-                tokens.append(int(torch.multinomial(probs[-1], 1, generator=self.generator)))
+                probs.append(torch.softmax(logits.float() / temp, dim=-1))
+                tokens = torch.multinomial(probs[-1], 1, generator=self.generator)
             else:
-                tokens.append(int(logits.argmax()))
-            feats, new = guess[None], [tokens[-1]]  # its own guess stands in for the target's next state
-        self._truncate(st, known)  # positions fed with its own guesses are recomputed next time
-        return Proposal(tokens, torch.stack(probs) if probs else None)
-
-    def _run(self, st: _HeadSeq, feats: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-        start = st.first + len(st.fed)
-        embeds = self.target.language_model.embed_tokens(torch.tensor(tokens, device=self.device))
-        out = self.head(feats[None], embeds[None], start, st.cache)
-        st.fed += tokens
-        return out[0, -1]
-
-    @staticmethod
-    def _truncate(st: _HeadSeq, n: int) -> None:
-        del st.fed[n:]
-        st.cache.length = n
+                tokens = logits.argmax(-1, keepdim=True)
+            guesses.append(tokens)
+            feats = guess  # its own guess stands in for the target's next state
+        st.cache.length = known  # positions fed with its own guesses are recomputed next time
+        return Proposal(torch.cat(guesses).tolist(), torch.stack(probs) if probs else None)
