@@ -28,7 +28,7 @@ from .cuda_graphs import DecodeGraphs
 from .encoder_cache import EncoderCache
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .sequence import SeqId, Sequence
-from .spec_decode import verify
+from .spec_decode import verify, verify_seeded
 
 
 @dataclass(slots=True)
@@ -59,7 +59,6 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs.for_runner(model, config, self.kv_caches, self.device)  # None on CPU
         self.inputs: dict[SeqId, SeqInputs] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.generators: dict[SeqId, torch.Generator] = {}  # requests with their own seed
         self.last_hidden: torch.Tensor | None = None  # [T, hidden] of the last step
         self.num_encoded_images = 0
         self.num_encoder_calls = 0
@@ -76,7 +75,6 @@ class ModelRunner:
     def drop(self, seq_ids: list[SeqId]) -> None:
         for seq_id in seq_ids:
             self.inputs.pop(seq_id, None)
-            self.generators.pop(seq_id, None)
 
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -194,15 +192,8 @@ class ModelRunner:
         sampling = s.seq.sampling
         if sampling.temperature == 0 and not proposal:
             return [int(logits[0].argmax())]
+        if sampling.seed is not None and sampling.temperature > 0:  # one answer per seed, speculated or not
+            return verify_seeded(logits, proposal, sampling.temperature, sampling.seed, s.seq.num_completion_tokens)
         if draft_probs is not None:
             draft_probs = draft_probs[:len(proposal)]  # the scheduler may have kept only the first ones
-        return verify(logits, proposal, draft_probs, sampling.temperature, self._generator(s.seq))
-
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        # a seeded request draws from its own stream, so its samples do not depend on what it is batched with
-        if seq.sampling.seed is None:
-            return self.generator
-        gen = self.generators.get(seq.seq_id)
-        if gen is None:
-            gen = self.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(seq.sampling.seed)
-        return gen
+        return verify(logits, proposal, draft_probs, sampling.temperature, self.generator)

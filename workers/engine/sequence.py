@@ -65,7 +65,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     eos_token_ids: tuple[int, ...] = ()
     temperature: float = 0.0  # 0 = greedy; read by the runner's sampler, not the scheduler
-    seed: int | None = None  # the request's own random stream (None: the runner's shared one)
+    seed: int | None = None  # streams keyed by (seed, position): spec_decode.verify_seeded (None: a shared one)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.temperature < 0:
