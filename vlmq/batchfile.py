@@ -10,8 +10,10 @@ A line looks like::
 
 Each request names exactly one image (an ``image_url`` part): a ``data:`` URL, an ``s3://`` URI in the pool's
 storage, a ``file://`` URL or a local path (relative paths are read from the batch file's folder). Nothing is
-fetched from the network. The text of system and user messages, in order, is the job's prompt. Decoding is
-greedy: sampling parameters (``temperature``, ``top_p``, ``seed``, ...) are accepted and not applied.
+fetched from the network. The text of system and user messages, in order, is the job's prompt.
+``temperature`` (0 to 2) and ``seed`` are applied as ``Client.submit`` applies them; unlike OpenAI, a body without
+``temperature`` is decoded greedily (temperature 0). The other sampling parameters (``top_p``, penalties,
+``stop``, ``logprobs``, ...) are accepted and not applied (``IGNORED_BODY_FIELDS``).
 Parsing here is pure (no I/O besides the file itself); ``Client.submit_batch`` then loads and prices each image.
 """
 from __future__ import annotations
@@ -23,14 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmq import rules
 from vlmq.errors import InvalidRequest
 
 ENDPOINT = "/v1/chat/completions"
 MAX_CUSTOM_ID_CHARS = 512
-# body fields accepted and not applied (vlmq decodes greedily, one answer per request)
-IGNORED_BODY_FIELDS = frozenset({"temperature", "top_p", "seed", "user", "metadata", "store", "service_tier",
-                                 "frequency_penalty", "presence_penalty", "stop", "logprobs", "top_logprobs"})
-_BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "n", "stream"})
+# body fields accepted and not applied (vlmq samples by temperature alone, one answer per request)
+IGNORED_BODY_FIELDS = frozenset({"top_p", "user", "metadata", "store", "service_tier", "frequency_penalty",
+                                 "presence_penalty", "stop", "logprobs", "top_logprobs"})
+_BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "temperature",
+                          "seed"})
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
@@ -45,6 +49,8 @@ class BatchLine:
         prompt: the text parts of the messages, joined by blank lines.
         image: the image reference (``data:`` URL, ``s3://`` URI, ``file://`` URL or an absolute path).
         max_new_tokens: ``max_completion_tokens`` or ``max_tokens`` (None: the client's default).
+        temperature: ``temperature`` (absent or null: 0, greedy).
+        seed: ``seed`` (absent or null: None).
     """
 
     line: int
@@ -53,6 +59,8 @@ class BatchLine:
     prompt: str
     image: str
     max_new_tokens: int | None
+    temperature: float = 0.0
+    seed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +127,12 @@ def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Pat
     if len(images) != 1:
         raise InvalidRequest(f"a request needs exactly one image_url part, found {len(images)}",
                              code="image_count")
+    temperature = 0.0 if body.get("temperature") is None else body["temperature"]
+    seed = body.get("seed")
+    rules.check_temperature(temperature)
+    rules.check_seed(seed)
     return BatchLine(number, custom_id, body["model"], "\n\n".join(texts), _image_ref(images[0], base_dir),
-                     limit)
+                     limit, temperature, seed)
 
 
 def _parts(messages: object) -> tuple[list[str], list[str]]:

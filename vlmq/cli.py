@@ -90,7 +90,8 @@ def _top(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.submit(args.image, args.prompt, model=args.model, max_new_tokens=args.max_new_tokens,
-                            priority=args.priority, idempotency_key=args.idempotency_key, webhook=args.webhook)
+                            priority=args.priority, idempotency_key=args.idempotency_key, webhook=args.webhook,
+                            temperature=args.temperature, seed=args.seed)
         if not args.wait:
             emit({"id": job.id}, args.json, [job.id])
             return 0
@@ -215,6 +216,8 @@ def _add_jobs(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--priority", type=int, default=5)
     p.add_argument("--idempotency-key")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; up to 2 samples")
+    p.add_argument("--seed", type=int, help="with --temperature: the same seed gives the same answer")
     p.add_argument("--webhook", help="http(s) URL told when the job ends (default VLMQ_WEBHOOK_URL)")
     p.add_argument("--wait", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0)

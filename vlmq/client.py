@@ -120,14 +120,15 @@ class Client:
 
     def submit(self, image: ImageSource, prompt: str, *, model: str = DEFAULT_MODEL, max_new_tokens: int = 128,
                priority: int = DEFAULT_PRIORITY, idempotency_key: str | None = None,
-               wait_for_room: float = 0.0, ignore_eos: bool = False, webhook: str | None = None) -> Job:
+               wait_for_room: float = 0.0, ignore_eos: bool = False, webhook: str | None = None,
+               temperature: float = 0.0, seed: int | None = None) -> Job:
         """Validate, price and enqueue one image job.
 
         Args:
             image: a path, bytes, a binary file object, a PIL image, or a URI in the pool's storage.
             prompt: the question or instruction about the image.
-            model, max_new_tokens, priority, idempotency_key, ignore_eos: as the fields of
-                :class:`vlmq.request.JobRequest`.
+            model, max_new_tokens, priority, idempotency_key, ignore_eos, temperature, seed: as the fields of
+                :class:`vlmq.request.JobRequest` (``temperature`` 0 is greedy; a ``seed`` makes sampling repeatable).
             webhook: http(s) URL that receives the job's signed final event (None: the client's default,
                 ``""``: none). Internal addresses are refused (``bad_webhook``) unless in ``VLMQ_WEBHOOK_ALLOW``.
             wait_for_room: when the class queue is full, wait up to this many seconds for room.
@@ -141,7 +142,8 @@ class Client:
             BackendError: Redis or the object store failed.
         """
         request = JobRequest(image, prompt, model=model, max_new_tokens=max_new_tokens, priority=priority,
-                             idempotency_key=idempotency_key, ignore_eos=ignore_eos, webhook=webhook)
+                             idempotency_key=idempotency_key, ignore_eos=ignore_eos, webhook=webhook,
+                             temperature=temperature, seed=seed)
         return self._submit([self._prepare(request)], wait_for_room)[0]
 
     def submit_many(self, requests: Iterable[JobRequest | Mapping[str, Any]], *,
@@ -252,7 +254,8 @@ class Client:
                                          code="duplicate_custom_id")
                 seen.add(line.custom_id)
                 request = JobRequest(line.image, line.prompt, model=line.model, priority=priority,
-                                     max_new_tokens=line.max_new_tokens or max_new_tokens, webhook="")
+                                     max_new_tokens=line.max_new_tokens or max_new_tokens, webhook="",
+                                     temperature=line.temperature, seed=line.seed)
                 prepared.append(self._prepare(request))
                 lines.append(line)
             except InvalidRequest as e:
@@ -308,17 +311,15 @@ class Client:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _check_params(self, prompt: str, model: str, max_new_tokens: int, priority: int,
-                      idempotency_key: str | None) -> ModelSpec:
+    def _check_params(self, r: JobRequest) -> ModelSpec:
         # the same rules the worker applies to every record it is handed (vlmq.rules)
-        rules.check_params(prompt, max_new_tokens, priority, idempotency_key, model,
+        rules.check_params(r.prompt, r.max_new_tokens, r.priority, r.idempotency_key, r.model,
                            max_prompt_chars=self.settings.max_prompt_chars,
-                           max_new_tokens_limit=self.settings.max_new_tokens)
-        return resolve_model(model, self.settings)
+                           max_new_tokens_limit=self.settings.max_new_tokens, temperature=r.temperature, seed=r.seed)
+        return resolve_model(r.model, self.settings)
 
     def _prepare(self, request: JobRequest) -> _Prepared:
-        spec = self._check_params(request.prompt, request.model, request.max_new_tokens, request.priority,
-                                  request.idempotency_key)
+        spec = self._check_params(request)
         webhook = self.settings.webhook_url if request.webhook is None else request.webhook
         if webhook:
             check_webhook(webhook, self.settings.webhook_allow)
@@ -447,6 +448,8 @@ class Client:
             "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class,
             "created_at": stamp, "queued_at": stamp, "idempotency_key": request.idempotency_key or "",
             "attempts": 0, "ignore_eos": int(bool(request.ignore_eos)), "webhook": item.webhook,
+            # sampling: absent (records written before it) or 0 means greedy; "" is no seed
+            "temperature": repr(float(request.temperature)), "seed": "" if request.seed is None else request.seed,
         }
 
     def _wait_for_room(self, adding: Mapping[tuple[str, str], int], timeout: float) -> None:

@@ -32,6 +32,9 @@ class JobRequest:
         ignore_eos: generate exactly ``max_new_tokens`` tokens (benchmarks and load tests).
         webhook: an http(s) URL told when the job ends (signed ``job.finished``/``job.failed``/``job.canceled``
             events, see ``vlmq.webhooks``); None uses the client's default, ``""`` sends none.
+        temperature: 0 (the default) is greedy; above 0 (at most 2) tokens are sampled at this temperature.
+        seed: with a temperature above 0, the same seed gives the same answer (on one model and worker device,
+            whatever the job is batched with); None draws fresh randomness. Ignored when greedy.
     """
 
     image: ImageSource
@@ -42,6 +45,8 @@ class JobRequest:
     idempotency_key: str | None = None
     ignore_eos: bool = False
     webhook: str | None = None
+    temperature: float = 0.0
+    seed: int | None = None
 
     @classmethod
     def from_mapping(cls, item: Mapping[str, Any]) -> JobRequest:
@@ -70,4 +75,6 @@ def fingerprint(request: JobRequest, model: str, image_sha256: str) -> str:
     content = {"model": model, "image": image_sha256, "prompt": request.prompt,
                "max_new_tokens": request.max_new_tokens, "priority": request.priority,
                "ignore_eos": bool(request.ignore_eos)}
+    if request.temperature or request.seed is not None:  # greedy requests keep the digests they had before sampling
+        content["sampling"] = [float(request.temperature), request.seed]
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

@@ -14,6 +14,8 @@ from vlmq.errors import InvalidRequest
 
 PRIORITIES = range(0, 10)  # 0 is the highest (Celery on Redis)
 MAX_IDEMPOTENCY_KEY_CHARS = 200
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_SEED = 2**63 - 1
 _JOB_ID = re.compile(keys.JOB_ID_RE)  # uuid4().hex, after ``<tenant>.`` for a tenant's job
 # the statuses a record may hold (``vlmq.jobs.JobStatus`` values)
 STATUSES = frozenset({"queued", "started", "finished", "failed", "canceled"})
@@ -49,6 +51,18 @@ def check_priority(value: object) -> None:
         raise InvalidRequest(f"priority must be an integer from 0 (highest) to 9, got {value!r}", code="bad_priority")
 
 
+def check_temperature(value: object) -> None:
+    # NaN and inf fail the range
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TEMPERATURE:
+        raise InvalidRequest(f"temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, got {value!r}",
+                             code="bad_temperature")
+
+
+def check_seed(value: object) -> None:
+    if value is not None and (type(value) is not int or not 0 <= value <= MAX_SEED):
+        raise InvalidRequest(f"seed must be None or an integer from 0 to 2**63 - 1, got {value!r}", code="bad_seed")
+
+
 def check_idempotency_key(key: object) -> None:
     if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS):
         raise InvalidRequest(f"idempotency_key must be a string of 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters",
@@ -61,11 +75,14 @@ def check_model_name(model: object) -> None:
 
 
 def check_params(prompt: object, max_new_tokens: object, priority: object, idempotency_key: object,
-                 model: object, *, max_prompt_chars: int, max_new_tokens_limit: int) -> None:
+                 model: object, *, max_prompt_chars: int, max_new_tokens_limit: int, temperature: object = 0.0,
+                 seed: object = None) -> None:
     """Every per-request parameter rule of ``Client.submit`` (the model's existence is checked apart)."""
     check_prompt(prompt, max_prompt_chars)
     check_max_new_tokens(max_new_tokens, max_new_tokens_limit)
     check_priority(priority)
+    check_temperature(temperature)
+    check_seed(seed)
     check_idempotency_key(idempotency_key)
     check_model_name(model)
 
@@ -95,12 +112,32 @@ def check_record(record: Mapping[str, str], job_id: str, *, max_prompt_chars: in
                              code="bad_record")
     for name in _FLOATS:
         _parse_float(record, name)
+    temperature, seed = sampling(record)
     check_params(record["prompt"], _parse_int(record, "max_new_tokens"), _parse_int(record, "priority"),
                  record.get("idempotency_key") or None, record["model"], max_prompt_chars=max_prompt_chars,
-                 max_new_tokens_limit=max_new_tokens_limit)
+                 max_new_tokens_limit=max_new_tokens_limit, temperature=temperature, seed=seed)
     check_input_key(job_id, record["input_key"])
     if record.get("ignore_eos", "0") not in ("0", "1"):
         raise InvalidRequest("job record ignore_eos must be 0 or 1", code="bad_record")
+
+
+def sampling(record: Mapping[str, str]) -> tuple[float, int | None]:
+    """A record's (temperature, seed): absent fields (records written before sampling existed) mean greedy, no seed.
+
+    Raises:
+        InvalidRequest: ``bad_temperature`` or ``bad_seed`` for a value that is not a number.
+    """
+    text = record.get("temperature") or "0"
+    try:
+        temperature = float(text) if re.fullmatch(r"[0-9.eE+-]{1,32}", text) else math.nan
+    except ValueError:
+        temperature = math.nan
+    if not math.isfinite(temperature):
+        raise InvalidRequest(f"job record temperature {text[:40]!r} is not a number", code="bad_temperature")
+    seed = record.get("seed") or None
+    if seed is not None and not re.fullmatch(r"-?[0-9]{1,20}", seed):
+        raise InvalidRequest(f"job record seed {seed[:40]!r} is not an integer", code="bad_seed")
+    return temperature, None if seed is None else int(seed)
 
 
 def _parse_int(record: Mapping[str, str], name: str) -> int:

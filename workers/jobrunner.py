@@ -114,8 +114,10 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     except InvalidRequest as e:
         raise JobFailed(e.code, str(e)) from e
     t2 = time.monotonic()
+    temperature, seed = rules.sampling(record)  # checked with the record (check_record)
     request = GenRequest(job_id, image, record["prompt"], int(record["max_new_tokens"]),
                          ignore_eos=record.get("ignore_eos") == "1", priority=int(record.get("priority", 5)),
+                         temperature=temperature, seed=seed if temperature > 0 else None,
                          max_text_tokens=ctx.settings.text_token_bound,
                          canceled=lambda: bool(ctx.redis.exists(keys.canceled(job_id))),
                          cache_salt=cache_salt(job_id, ctx.settings))
@@ -132,11 +134,11 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
         ctx.fleet.served(record["input_key"], output.image_tokens)
     timings = {"queue": max(0.0, now() - float(record["queued_at"]) - (t3 - t0)), "fetch": t1 - t0,
                "decode_image": t2 - t1, "model": t3 - t2}
-    return _finish(ctx, job_id, record, output, timings)
+    return _finish(ctx, job_id, record, output, timings, {"temperature": request.temperature, "seed": request.seed})
 
 
 def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOutput,
-            timings: dict[str, float]) -> str:
+            timings: dict[str, float], sampling: dict[str, Any]) -> str:
     if ctx.redis.exists(keys.canceled(job_id)):
         log.info("job %s canceled while running (%s after %d tokens); result dropped", job_id, out.finish_reason,
                  len(out.token_ids), extra=phase("canceled"))
@@ -152,6 +154,7 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
         "finish_reason": out.finish_reason,
         "usage": {"prompt_tokens": out.prompt_tokens, "image_tokens": out.image_tokens,
                   "generated_tokens": len(out.token_ids)},
+        "sampling": sampling,  # what was applied: temperature 0 is greedy (and its seed None)
         "timings": timings, "worker": ctx.name, "finished_at": now(),
     }
     key = keys.result_object(job_id)

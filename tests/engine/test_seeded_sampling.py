@@ -48,3 +48,20 @@ def test_a_seed_gives_one_answer_alone_batched_and_speculated(images):
     greedy = plain.generate([caption(images[0], None, 0.0)])[0].token_ids
     assert answers(plain, images, seed=5, temperature=0.0) == (greedy, greedy)
     assert answers(head, images, seed=5, temperature=0.0) == (greedy, greedy)
+
+
+def test_the_hf_backend_draws_the_engines_seeded_answer(images):
+    """`--backend hf` samples through the same (seed, position) streams: its seeded answer, alone or batched, is
+    the engine's; temperature 0 stays greedy beside sampled rows."""
+    from vlmq.workers.backends.base import GenRequest
+    from vlmq.workers.backends.hf import HFBackend
+
+    def gen(image, temperature: float, seed: int | None) -> GenRequest:
+        return GenRequest("j", image, "Describe the image.", 24, ignore_eos=True, temperature=temperature, seed=seed)
+
+    want = Engine.from_model_dir(TARGET, num_blocks=256).generate([caption(images[0], seed=5)])[0].token_ids
+    hf = HFBackend(str(TARGET))
+    assert hf.generate([gen(images[0], 1.0, 5)])[0].token_ids == want
+    greedy = hf.generate([gen(images[0], 0.0, None)])[0].token_ids
+    batch = hf.generate([gen(images[1], 1.0, None), gen(images[0], 1.0, 5), gen(images[0], 0.0, 5)])
+    assert (batch[1].token_ids, batch[2].token_ids) == (want, greedy) and greedy != want

@@ -23,6 +23,8 @@ class GenRequest:
     max_text_tokens: int | None = None  # text prompt tokens + max_new_tokens allowed (VLMQ_TEXT_TOKEN_BOUND)
     canceled: Callable[[], bool] | None = None  # polled during generation; True stops this request
     cache_salt: str | None = None  # cache entries are shared only among requests of one salt (jobrunner.cache_salt)
+    temperature: float = 0.0  # 0 = greedy; otherwise sampled at this temperature (vlmq.rules: at most 2)
+    seed: int | None = None  # with temperature > 0: the same seed gives the same tokens (None: fresh randomness)
 
 
 @dataclass(slots=True)

@@ -121,8 +121,8 @@ def engine_request(request: GenRequest) -> Request:
         raise InvalidRequest(f"priority must be an integer from 0 (highest) to 9, got {request.priority!r}",
                              code="bad_priority")
     return Request(request.image, request.prompt, request.max_new_tokens, request.ignore_eos,
-                   priority=request.priority * PRIORITY_SCALE, max_text_tokens=request.max_text_tokens,
-                   cache_salt=request.cache_salt)
+                   priority=request.priority * PRIORITY_SCALE, temperature=request.temperature, seed=request.seed,
+                   max_text_tokens=request.max_text_tokens, cache_salt=request.cache_salt)
 
 
 def _gen_output(out: RequestOutput) -> GenOutput | Exception:

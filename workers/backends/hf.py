@@ -4,10 +4,17 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoModelForImageTextToText, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AutoModelForImageTextToText,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, is_canceled
 from vlmq.workers.engine.sequence import FinishReason
+from vlmq.workers.engine.spec_decode import position_generator
 from vlmq.workers.models.processor import ChatPrompt, load_processor
 
 log = logging.getLogger(__name__)
@@ -26,6 +33,29 @@ class CancelCriteria(StoppingCriteria):
             pairs = zip(self.stopped, self.batch, strict=True)
             self.stopped = [s or is_canceled(r) for s, r in pairs]
         return torch.tensor(self.stopped, dtype=torch.bool, device=input_ids.device)
+
+
+class RowSampler(LogitsProcessor):
+    """Samples each row at its request's temperature, then leaves only the drawn token for generate's greedy pick;
+    rows at temperature 0 are left alone (greedy). A seeded row draws its i-th token from the engine's (seed, i)
+    stream (spec_decode.position_generator): what it draws does not depend on its batch, and equals the engine's
+    draw wherever the two compute the same logits."""
+
+    def __init__(self, batch: list[GenRequest], device: torch.device) -> None:
+        self.device, self.step = device, 0
+        self.rows = [(row, r.temperature, r.seed) for row, r in enumerate(batch) if r.temperature > 0]
+        self.fresh = torch.Generator(device=device)
+        self.fresh.seed()  # unseeded rows: fresh randomness
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        # scores: [B, vocab] the next-token logits
+        for row, temperature, seed in self.rows:
+            gen = self.fresh if seed is None else position_generator(seed, self.step, self.device)
+            probs = torch.softmax(scores[row].float() / temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=gen)
+            scores[row] = torch.where(torch.arange(len(probs), device=scores.device) == token, 0.0, -torch.inf)
+        self.step += 1
+        return scores
 
 
 class HFBackend(Backend):
@@ -71,8 +101,10 @@ class HFBackend(Backend):
         cancel = CancelCriteria(batch)
         # ignore_eos as in the engine (and vLLM): an eos token is generated like any other and does not stop
         no_eos = {"eos_token_id": []} if batch[0].ignore_eos else {}
+        sampler = LogitsProcessorList([RowSampler(batch, self.device)])  # do_sample=False: greedy over its pick
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id,
-                                  stopping_criteria=StoppingCriteriaList([cancel]), **no_eos)
+                                  stopping_criteria=StoppingCriteriaList([cancel]), logits_processor=sampler,
+                                  **no_eos)
         prompt_len = inputs["input_ids"].shape[1]
         outputs = [self._output(inputs, out, row, prompt_len, batch[row].ignore_eos) for row in range(len(batch))]
         for output, stopped in zip(outputs, cancel.stopped, strict=True):
