@@ -74,6 +74,18 @@ def test_a_job_is_served_and_its_result_is_what_the_backend_said(pool) -> None:
     assert backend.seen[0].image.size == (64, 48) and job.info()["attempts"] == "1"
 
 
+def test_sampling_reaches_the_backend_and_the_result_says_what_was_applied(pool) -> None:
+    client, ctx, backend = pool
+    sampled = client.submit(png(), "What colour?", temperature=0.7, seed=3)
+    greedy = client.submit(png(), "What colour?", seed=3)  # a seed without a temperature: greedy, seed unused
+    old = client.submit(png(), "What colour?")
+    client.redis.hdel(keys.job(old.id), "temperature", "seed")  # a record from before sampling existed
+    assert [run_job(ctx, job.id) for job in (sampled, greedy, old)] == ["finished"] * 3
+    assert [(r.temperature, r.seed) for r in backend.seen] == [(0.7, 3), (0.0, None), (0.0, None)]
+    assert sampled.result(timeout=1).raw["sampling"] == {"temperature": 0.7, "seed": 3}
+    assert greedy.result(timeout=1).raw["sampling"] == {"temperature": 0.0, "seed": None}
+
+
 @pytest.mark.parametrize(("prompt", "code", "retryable"), [("too long", "request_too_long", False),
                                                            ("crash", "model_error", True)])
 def test_a_backend_failure_fails_that_job_with_its_code(pool, prompt: str, code: str, retryable: bool) -> None:
@@ -87,7 +99,9 @@ def test_a_backend_failure_fails_that_job_with_its_code(pool, prompt: str, code:
 @pytest.mark.parametrize(("field", "value", "code"), [("max_new_tokens", "3000", "bad_max_new_tokens"),
                                                       ("status", "bogus", "bad_record"),
                                                       ("input_key", "results/other.json", "bad_input_key"),
-                                                      ("prompt", "<|image_pad|>", "bad_prompt")])
+                                                      ("prompt", "<|image_pad|>", "bad_prompt"),
+                                                      ("temperature", "2.5", "bad_temperature"),
+                                                      ("seed", "-1", "bad_seed")])
 def test_a_forged_record_fails_alone_and_never_reaches_the_backend(pool, field: str, value: str, code: str) -> None:
     client, ctx, backend = pool
     job = client.submit(png(), "What colour?")
