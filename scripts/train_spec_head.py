@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tiny.shapes import make_split
 
 from vlmq.workers.engine.engine import Engine, Request
-from vlmq.workers.engine.proposers import HEAD_DIR, Proposer
+from vlmq.workers.engine.proposers import HEAD_DIR, MODEL_SETTINGS, Proposer
 from vlmq.workers.engine.spec_decode import AdaptiveK
 from vlmq.workers.engine.spec_head import SpecHead
 
@@ -155,6 +155,10 @@ def main() -> None:
     save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / "model.safetensors"))
     (out / "model.safetensors").chmod(0o644)
     (out / "config.json").write_text(json.dumps({**head.config, "train_report": report}, indent=1) + "\n")
+    if out.name == HEAD_DIR:  # the head sits in a model folder: the folder names it as its default proposer
+        settings = out.parent / MODEL_SETTINGS
+        known = json.loads(settings.read_text()) if settings.is_file() else {}
+        settings.write_text(json.dumps({**known, "speculative": "head"}) + "\n")
     print(json.dumps(report))
 
 
