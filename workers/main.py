@@ -109,10 +109,9 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     fleet.start(getattr(backend, "archive_model_hash", None))  # set by a backend that archives KV
     log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
              settings.backend, list(budget.queue_costs))
-    served = [c for c in cost_classes(settings).names if keys.queue(spec.name, c) in budget.queue_costs]
-    for cost_class in served:
+    for cost_class in classes:
         log.info("cost gate: %s", explain_class_cost(spec, cost_class, settings))
-    _start_reporting(ctx, budget, [(spec.name, c) for c in served])
+    _start_reporting(ctx, budget, [(spec.name, c) for c in classes])
     # event heartbeats only with task events on (Flower shows the worker online); otherwise no event traffic
     heartbeat = [] if settings.worker_events else ["--without-heartbeat"]
     app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
