@@ -131,7 +131,7 @@ def _start_reporting(ctx: Any, budget: Any, pairs: list[tuple[str, str]]) -> Non
     StatusWriter(ctx.redis, ctx.name, {"model": ctx.model, "device": s.device, "budget": str(budget.budget),
                                        "queues": ",".join(budget.queue_costs)}, held).start()
     if s.metrics_port:
-        collector = metrics.WorkerCollector(ctx, budget.queue_costs, pairs, budget.budget, broker.held_queues)
+        collector = metrics.WorkerCollector(ctx, budget, pairs, broker.held_queues)
         metrics.serve(s.metrics_port, collector, metrics.Health(ctx.batcher, ctx.redis))
 
 

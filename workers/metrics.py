@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, make_wsgi_app
@@ -19,6 +19,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vlmq.fleet import queue_stats
+
+if TYPE_CHECKING:
+    from vlmq.workers.costgate import CostBudget
 
 log = logging.getLogger(__name__)
 disable_created_metrics()  # no *_created series: restarts show as counter resets anyway
@@ -98,9 +101,9 @@ class EngineCounters:
 class WorkerCollector(Collector):
     """Figures read at scrape time. ``held_queues`` returns the queue of each message the worker holds."""
 
-    def __init__(self, ctx: Any, queue_costs: dict[str, int], pairs: Sequence[tuple[str, str]], budget: int,
+    def __init__(self, ctx: Any, budget: CostBudget, pairs: Sequence[tuple[str, str]],
                  held_queues: Callable[[], list[str]]) -> None:
-        self.ctx, self.queue_costs, self.pairs, self.budget = ctx, queue_costs, list(pairs), budget
+        self.ctx, self.budget, self.pairs = ctx, budget, list(pairs)
         self.held_queues = held_queues
         self.engine_counters = EngineCounters()
         self.model = ctx.model
@@ -137,12 +140,12 @@ class WorkerCollector(Collector):
 
     def _batch(self) -> Iterator[Any]:
         held = self.held_queues()
-        cost = sum(self.queue_costs.get(q, 0) for q in held)
+        cost = self.budget.held_cost(held)
         for name, text, value in (("vlmq_jobs_running", "Jobs this worker holds (running or waiting for the model)",
                                    len(held)),
                                   ("vlmq_batch_cost_tokens", "Sum of the class cost bounds of the held jobs", cost),
                                   ("vlmq_batch_budget_tokens", "The worker's cost budget (VLMQ_WORKER_BUDGET)",
-                                   self.budget)):
+                                   self.budget.budget)):
             yield _gauge(name, text, self.model, value)
 
     def _engine(self) -> Iterator[Any]:
