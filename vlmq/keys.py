@@ -372,8 +372,3 @@ def kv_object(model_hash: str, kind: str, key: str) -> str:
         raise ValueError(f"kind must be enc or prefix, got {kind!r}")
     return f"{kv_prefix(model_hash)}{kind}/{key[:2]}/{key}"
 
-
-def kv_model_manifest(model_hash: str) -> str:
-    """``kv/<model-hash>/model.json``: ``{"model": name, "model_hash": hash}``, written once by the first worker
-    that archives for the checkpoint, so tools can map a model name to its archive prefix (never trimmed)."""
-    return f"{kv_prefix(model_hash)}model.json"

@@ -6,7 +6,6 @@ with X's encoder output from A's archive (an archive hit in B's counters) and gi
 from __future__ import annotations
 
 import io
-import json
 import re
 import time
 
@@ -71,9 +70,8 @@ def test_a_second_worker_answers_from_the_first_workers_archive(redis_url, s3_se
     assert a["encoded_images"] == 1  # A computed X ...
     archived = archived_objects(settings)
     assert any("/enc/" in key for key in archived)  # ... and archived its encoder output
-    (manifest,) = [key for key in archived if key.endswith("/model.json")]  # names the model's archive prefix
-    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
-    assert json.loads(storage.get(manifest))["model"] == "tiny-shapes"
+    model_hash = archived[0].removeprefix(keys.KV_ROOT).split("/", 1)[0]  # A's heartbeat named the prefix
+    assert redis.Redis.from_url(redis_url).hget(keys.kv_models(), model_hash) == b"tiny-shapes"
     warm, b = serve(settings, tmp_path / "worker-b.log", image, QUESTION_B)
     assert b["archive_hits"] >= 1 and b["tier_restored_images"] == 1 and b["encoded_images"] == 0
     cold = Engine.from_model_dir(ASSETS / "tiny-shapes", num_blocks=256)  # no store: computes everything

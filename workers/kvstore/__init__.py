@@ -1,11 +1,8 @@
 """KV tiers below the engine's caches: host memory, local disk and the pool's object store (the KV archive)."""
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 
-from vlmq import keys
 from vlmq.settings import Settings
 from vlmq.storage import Storage
 
@@ -13,7 +10,6 @@ from .identity import weights_identity
 from .store import KVStore, KVStoreConfig
 
 __all__ = ["KVStore", "KVStoreConfig", "store_from_settings", "weights_identity"]
-log = logging.getLogger(__name__)
 
 
 def store_from_settings(settings: Settings, model: str, model_dir: str | Path, storage: Storage | None) -> KVStore:
@@ -21,11 +17,4 @@ def store_from_settings(settings: Settings, model: str, model_dir: str | Path, s
     config = KVStoreConfig(host_bytes=settings.kv_host_bytes, disk_dir=settings.kv_disk_dir or None,
                            disk_bytes=settings.kv_disk_bytes, archive_bytes=settings.kv_archive_bytes,
                            quant=settings.kv_quant(model))
-    model_hash = weights_identity(model_dir)
-    if storage is not None and settings.kv_archive:
-        manifest = json.dumps({"model": model, "model_hash": model_hash}).encode()
-        try:
-            storage.put_if_absent(keys.kv_model_manifest(model_hash), manifest)
-        except Exception:  # the archive still works; only `vlmq cache` cannot name this model's prefix
-            log.warning("could not write the KV archive manifest for %s", model, exc_info=True)
-    return KVStore(model_hash, config, storage if settings.kv_archive else None)
+    return KVStore(weights_identity(model_dir), config, storage if settings.kv_archive else None)

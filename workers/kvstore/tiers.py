@@ -179,8 +179,7 @@ class ArchiveTier:
         with self._trim_lock:
             self._written_since_trim = 0
             self.num_trims += 1
-            objects = sorted((o for o in self.storage.list_objects(keys.KV_ROOT)
-                              if not o.key.endswith("/model.json")), key=lambda o: (o.modified, o.key))
+            objects = sorted(self.storage.list_objects(keys.KV_ROOT), key=lambda o: (o.modified, o.key))
             total = sum(o.size for o in objects)
             target = self.capacity_bytes * 9 // 10
             for obj in objects:
