@@ -86,12 +86,16 @@ class Receiver:
         return len(job_ids & self.job_ids)
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    """SIGTERM (Celery's warm shutdown), then SIGKILL."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
+    """SIGTERM every process at once (Celery's warm shutdown: each hands back or finishes its jobs), then SIGKILL
+    what outlives ``timeout``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
         try:
-            proc.wait(timeout)
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -169,8 +173,7 @@ def run_demo(num_jobs: int = 16, keep: bool = False, timeout: float = 600.0) -> 
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        for proc in workers:
-            stop_process(proc)
+        stop_processes(workers)
         receiver.server.shutdown()
         if valkey is not None:
             valkey.stop()

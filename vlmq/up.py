@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from vlmq.demo import start_worker
+from vlmq.demo import start_worker, stop_processes
 from vlmq.embedded import Server, start_valkey
 from vlmq.settings import BOTH, Settings, env_name
 
@@ -66,20 +66,6 @@ def _start_workers(settings: Settings, options: UpOptions, folder: Path) -> tupl
     return procs, logs
 
 
-def _stop_all(workers: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    """SIGTERM every worker at once (each hands back or finishes its jobs), then SIGKILL what outlives ``timeout``."""
-    for worker in workers:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for worker in workers:
-        try:
-            worker.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
-
-
 def run_up(options: UpOptions) -> int:
     """Start the pool, print what a producer needs, and keep it running until Ctrl-C or SIGTERM."""
     folder = Path(options.folder or tempfile.mkdtemp(prefix="vlmq-up-")).resolve()
@@ -108,7 +94,7 @@ def run_up(options: UpOptions) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
-        _stop_all(workers, float(Settings.from_env().shutdown_grace) + 15)
+        stop_processes(workers, float(Settings.from_env().shutdown_grace) + 15)
         if valkey is not None:
             valkey.stop()
         if not options.folder:
