@@ -51,8 +51,6 @@ MAX_REPLICAS = 8
 SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]}}  # the images' own user (infra/docker)
 WORKER_LABEL = {"app.kubernetes.io/name": "vlmq", "app.kubernetes.io/component": "worker"}
-# Not yet in this branch's settings table: the metrics helper adds both (the lead reconciles the names).
-METRICS_PORT_ENV, WORKER_EVENTS_ENV = "VLMQ_METRICS_PORT", "VLMQ_WORKER_EVENTS"
 
 
 def dns_name(text: str) -> str:
@@ -63,13 +61,9 @@ def dns_name(text: str) -> str:
     return name
 
 
-def max_vision_tokens(spec: ModelSpec) -> int:
-    return spec.policy.max_vision_tokens()
-
-
 def reachable_classes(spec: ModelSpec, settings: Settings) -> list[str]:
     """Cost classes a job for this model can land in: those whose lower bound is below the model's cap."""
-    classes, top = cost_classes(settings), max_vision_tokens(spec)
+    classes, top = cost_classes(settings), spec.policy.max_vision_tokens()
     lower = [0, *(bound for _, bound in classes.bounds)]
     return [name for name, low in zip(classes.names, lower, strict=True) if low < top]
 
@@ -195,7 +189,7 @@ def config_objects(settings: Settings) -> list[dict[str, Any]]:
             env_name("visibility_timeout"): str(settings.visibility_timeout),
             env_name("worker_budget"): str(settings.worker_budget),
             env_name("worker_batch"): str(settings.worker_batch),
-            METRICS_PORT_ENV: str(METRICS_PORT), WORKER_EVENTS_ENV: "1",
+            env_name("metrics_port"): str(METRICS_PORT), env_name("worker_events"): "1",
             REDIS_ADDRESS_ENV: "valkey.vlmq.svc:6379", "AWS_DEFAULT_REGION": "us-east-1"}
     auth = {"apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication", "metadata": {"name": TRIGGER_AUTH},
             "spec": {"secretTargetRef": [{"parameter": "password", "name": SECRET, "key": REDIS_PASSWORD_KEY}]}}

@@ -11,10 +11,9 @@ import pytest
 import yaml
 from manifests import INFRA, ROOT, SCHEMAS
 
-from vlmq.settings import ENV_VARS, Settings
+from vlmq.settings import ENV_VARS, Settings, env_name
 
 COMPOSE = INFRA / "compose" / "compose.yaml"
-PENDING_SETTINGS = {gen_k8s.METRICS_PORT_ENV, gen_k8s.WORKER_EVENTS_ENV}  # the metrics helper adds them
 AWS = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
                 "offset"}
@@ -65,7 +64,7 @@ def test_gpu_and_cpu_profiles_run_the_same_stack(compose: dict) -> None:
 
 def test_env_names_are_settings(compose: dict) -> None:
     names = {k for env in services_env(compose).values() for k in env if k.startswith(("VLMQ_", "AWS_"))}
-    assert names - set(ENV_VARS) - PENDING_SETTINGS - AWS == set()
+    assert names - set(ENV_VARS) - AWS == set()
     for name in ("worker", "worker-cpu", "delivery"):
         env = services_env(compose)[name]
         assert {"VLMQ_BROKER_URL", "VLMQ_STORAGE_URL", "AWS_ENDPOINT_URL"} <= set(env)
@@ -87,7 +86,7 @@ def test_urls_point_at_the_services(compose: dict) -> None:
 
 def test_prometheus_scrapes_every_worker_metrics_port(compose: dict) -> None:
     port = gen_k8s.METRICS_PORT
-    assert int(services_env(compose)["worker"][gen_k8s.METRICS_PORT_ENV]) == port
+    assert int(services_env(compose)["worker"][env_name("metrics_port")]) == port
     config = yaml.safe_load((INFRA / "prometheus" / "prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
     targets = {t for group in job["static_configs"] for t in group["targets"]}

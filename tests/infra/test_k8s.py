@@ -15,10 +15,8 @@ from manifests import K8S, build, by_kind, load_all, validate
 
 from vlmq import keys
 from vlmq.models import BUNDLED_MODEL, resolve_model
-from vlmq.settings import ENV_VARS, Settings
+from vlmq.settings import ENV_VARS, Settings, env_name
 
-# Settings the metrics helper adds to the settings table (see scripts/gen_k8s.py); remove once merged.
-PENDING_SETTINGS = {gen_k8s.METRICS_PORT_ENV, gen_k8s.WORKER_EVENTS_ENV}
 OVERLAYS = ("gpu", "cpu")
 
 
@@ -115,7 +113,7 @@ def test_worker_stops_gracefully_and_probes_the_metrics_port(built: list[dict]) 
     data = config(built)
     grace = int(data["VLMQ_SHUTDOWN_GRACE"])
     assert grace >= Settings().shutdown_grace
-    port = int(data[gen_k8s.METRICS_PORT_ENV])
+    port = int(data[env_name("metrics_port")])
     pdbs = {p["metadata"]["name"]: p for p in by_kind(built, "PodDisruptionBudget")}
     for deployment in workers(built):
         pod = deployment["spec"]["template"]
@@ -138,7 +136,7 @@ def test_env_names_are_settings(built: list[dict]) -> None:
     names |= {e["name"] for d in by_kind(built, "Deployment") for c in d["spec"]["template"]["spec"]["containers"]
               for e in c.get("env", [])}
     vlmq_names = {n for n in names if n.startswith("VLMQ_")}
-    assert vlmq_names - set(ENV_VARS) - PENDING_SETTINGS == set()
+    assert vlmq_names - set(ENV_VARS) == set()
     assert {"VLMQ_BROKER_URL", "VLMQ_STORAGE_URL", "VLMQ_SHUTDOWN_GRACE", "VLMQ_DEVICE"} <= vlmq_names
     assert names - vlmq_names <= {gen_k8s.REDIS_ADDRESS_ENV, gen_k8s.REDIS_PASSWORD_KEY, "AWS_DEFAULT_REGION",
                                   "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
