@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from vlmq import affinity, keys
+from vlmq.models import cost_classes
 from vlmq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class FleetReporter:
         self.model = model
         self.worker = keys.worker_slug(name)
         self.classes = sorted(classes)
+        self.all_classes = list(cost_classes(settings).names)  # every class's worker queue may hold jobs to drain
         self.route = affinity.Route(self.worker, frozenset(self.classes)).encode()
         self.cache_stats = cache_stats
         stats = cache_stats()
@@ -143,20 +145,15 @@ class FleetReporter:
         for member, last_seen in self.redis.zrange(keys.affinity_workers(self.model), 0, -1, withscores=True):
             worker = member.decode()
             moved += sum(affinity.drain(self.redis, self.model, c, worker, self.settings.affinity_queue_bound)
-                         for c in self._all_classes())
+                         for c in self.all_classes)
             if now - last_seen > self.forget_after and not self._has_jobs(worker):
                 self.redis.zrem(keys.affinity_workers(self.model), worker)
         if moved:
             log.info("moved %d jobs from worker queues back to the shared queues", moved)
         return moved
 
-    def _all_classes(self) -> list[str]:
-        from vlmq.models import cost_classes
-
-        return list(cost_classes(self.settings).names)
-
     def _has_jobs(self, worker: str) -> bool:
-        queues = [keys.worker_queue(self.model, c, worker) for c in self._all_classes()]
+        queues = [keys.worker_queue(self.model, c, worker) for c in self.all_classes]
         return self.redis.exists(keys.worker_stats(worker)) > 0 or sum(affinity.queue_depths(self.redis, queues)) > 0
 
     def _claim(self, hot_keys: list[str]) -> None:
