@@ -189,8 +189,7 @@ class Settings:
                                  "`/readyz`; with `--gpus` the worker of the N-th GPU listens on port + N",
                                  shown="`0` (off)")
     worker_events: bool = _setting(False, WORKER, "`1`: send Celery task events and event heartbeats (for Flower)",
-                                   shown="`0`",
-                                 parse=_flag, to_text=lambda on: "1" if on else "0")
+                                   shown="`0`", parse=_flag, to_text=_format_flag)
     log_format: str = _setting(LOG_FORMATS[0], WORKER, "`text`, or `json`: one JSON object per line with job id, "
                                "model, class, worker and phase")
     kv_archive: int = _setting(1, WORKER, "`1`: archive vision encoder outputs and evicted prefix KV in the pool's "

@@ -55,7 +55,6 @@ class Storage(ABC):
     def delete(self, key: str) -> None:
         """Remove the object if present."""
 
-    @abstractmethod
     def list_older(self, prefix: str, before: float) -> Iterator[str]:
         """Keys under ``prefix`` (e.g. ``inputs/``) of objects last written before ``before``.
 
@@ -69,6 +68,9 @@ class Storage(ABC):
             ValueError: a bad prefix.
             BackendError: the store failed.
         """
+        for obj in self.list_objects(_check_prefix(prefix)):
+            if obj.modified < before and _is_key(obj.key):
+                yield obj.key
 
     @abstractmethod
     def key_of(self, uri: str) -> str:
@@ -195,6 +197,7 @@ class FileStorage(Storage):
         self._path(key).unlink(missing_ok=True)
 
     def list_older(self, prefix: str, before: float) -> Iterator[str]:
+        # its own walk, not list_objects: it streams (no sort) and keeps the temp files of a crashed put
         top = self.root / _check_prefix(prefix)
         for folder, _, files in os.walk(top):
             for name in files:
@@ -315,21 +318,6 @@ class S3Storage(Storage):
         except ClientError as e:
             raise BackendError(f"object store {self.url} failed deleting {key}: {e}") from e
 
-    def list_older(self, prefix: str, before: float) -> Iterator[str]:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        head = f"{self.prefix}/" if self.prefix else ""
-        pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=head + _check_prefix(prefix), PaginationConfig={"PageSize": self.page_size})
-        try:
-            for page in pages:
-                for item in page.get("Contents", []):
-                    key = item["Key"][len(head):]
-                    if item["LastModified"].timestamp() < before and _is_key(key):
-                        yield key
-        except (BotoCoreError, ClientError) as e:
-            raise BackendError(f"object store {self.url} failed listing {prefix}: {e}") from e
-
     def presigned_url(self, key: str, expires: int) -> str | None:
         return str(self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket,
                                                                             "Key": self._key(key)},
@@ -340,8 +328,8 @@ class S3Storage(Storage):
 
         head = f"{self.prefix}/" if self.prefix else ""
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
-                                                                              Prefix=head + prefix):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=head + prefix, PaginationConfig={"PageSize": self.page_size}):
                 for obj in page.get("Contents", ()):
                     yield ObjectInfo(obj["Key"][len(head):], int(obj["Size"]), obj["LastModified"].timestamp())
         except (BotoCoreError, ClientError) as e:

@@ -139,9 +139,10 @@ def resolve(host: str, port: int, allow: Sequence[Network] = (),
             too: DNS answers can alternate).
         OSError: the name does not resolve (retryable).
     """
-    literal = _literal(host) if host != "localhost" and not host.endswith(".localhost") else None
-    found = [literal] if literal else [ipaddress.ip_address(info[4][0].split("%")[0])
-                                       for info in resolver(host, port, 0, socket.SOCK_STREAM)]
+    try:
+        found: list[IPAddress] = [ipaddress.ip_address(host)]
+    except ValueError:  # a name (``localhost`` too: the resolver says where it points)
+        found = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in resolver(host, port, 0, socket.SOCK_STREAM)]
     if not found:
         raise OSError(f"{host} resolved to no address")
     for ip in found:

@@ -30,6 +30,7 @@ LOOPBACK_ONLY = parse_networks("127.0.0.1/32")
     ("http://[fd12:3456::1]/", "private"),
     ("http://[fe80::1]/", "link-local"),
     ("http://[::ffff:10.0.0.1]/", "private"),
+    ("http://[::ffff:127.0.0.1]/", "loopback"),  # an IPv4 address written as IPv6 is judged as the IPv4 one
     ("http://224.0.0.1/", "multicast"),
     ("http://0.0.0.0/", "unspecified"),
     ("http://100.64.0.1/", "not a public address"),
