@@ -106,9 +106,7 @@ class InternVLPolicy:
             raise ValueError(f"min_patches ({self.min_tiles}) must not exceed max_patches ({self.max_tiles})")
 
     def grid(self, height: int, width: int) -> tuple[int, int]:
-        """The ``(columns, rows)`` grid of a ``height x width`` image (``(1, 1)`` when tiling is off)."""
-        if self.max_tiles <= 1:
-            return 1, 1
+        """The ``(columns, rows)`` grid of a ``height x width`` image (``(1, 1)`` when tiling is off: max_tiles 1)."""
         return internvl_tile_grid(height, width, self.tile_height, self.tile_width, self.min_tiles, self.max_tiles)
 
     def measure(self, height: int, width: int) -> ImageShape:
