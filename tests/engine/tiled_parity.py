@@ -1,6 +1,7 @@
 """What the tiling families' parity tests (InternVL, LLaVA-NeXT) share: checkpoints loaded both ways, a request as
 the engine's intake makes it (driven through the ModelRunner by test_model_parity's Runner), the logits checks, and
-the greedy workload run as one continuously batched engine load against transformers' `generate`."""
+the greedy workload run as one continuously batched engine load against transformers' `generate` (whose answers
+the Qwen3-VL engine test takes from here too)."""
 from __future__ import annotations
 
 import random
@@ -140,11 +141,9 @@ def workload() -> list[tuple[Image.Image, str]]:
     return fresh + same_image + fresh[10:16]  # exact repeats: whole-prompt prefix-cache hits
 
 
-def greedy_workload_matches(path, ref, processor) -> None:
-    """>= 50 mixed-resolution prompts as one continuously batched engine load (a few join before every step, while
-    others decode), caches on: every answer token for token equal to transformers' greedy `generate`."""
-    prompts = workload()
-    assert len(prompts) >= 50
+def greedy_answers(ref, processor, prompts: list[tuple[Image.Image, str]]) -> dict[tuple[int, str], list[int]]:
+    """transformers' greedy `generate` (MAX_NEW tokens, eos dropped) of each distinct (image, question), one at a
+    time, keyed by (id(image), question)."""
     expected = {}
     eos = ref.generation_config.eos_token_id
     for img, question in prompts:
@@ -152,7 +151,16 @@ def greedy_workload_matches(path, ref, processor) -> None:
             inputs = processor(text=[render_prompt(processor, question)], images=[img], return_tensors="pt")
             with torch.no_grad():
                 out = ref.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, inputs["input_ids"].shape[1]:]
-            expected[id(img), question] = [t for t in out.tolist() if t != eos][:MAX_NEW]
+            expected[id(img), question] = [t for t in out.tolist() if t != eos]
+    return expected
+
+
+def greedy_workload_matches(path, ref, processor) -> None:
+    """>= 50 mixed-resolution prompts as one continuously batched engine load (a few join before every step, while
+    others decode), caches on: every answer token for token equal to transformers' greedy `generate`."""
+    prompts = workload()
+    assert len(prompts) >= 50
+    expected = greedy_answers(ref, processor, prompts)
     assert len({tuple(v) for v in expected.values()}) > len(expected) // 2  # answers depend on the image
     engine = Engine.from_model_dir(path, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256,
                                    long_prefill_chunk_size=64)
