@@ -42,9 +42,11 @@ MAX_ASPECT_RATIO = 200
 _CLASS_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
 
-def _check_positive_int(name: str, value: object) -> None:
+def positive_int(name: str, value: object) -> int:
+    """Returns ``value``; raises ValueError (a bad setting, not a bad request) unless it is a positive int."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +107,7 @@ class ResolutionPolicy:
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"):
-            _check_positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
 
@@ -185,7 +187,7 @@ class CostClasses:
         for item in self.bounds:
             if not (isinstance(item, tuple) and len(item) == 2):
                 raise ValueError(f"each bound must be a (name, max_vision_tokens) pair, got {item!r}")
-            _check_positive_int(f"bound of class {item[0]!r}", item[1])
+            positive_int(f"bound of class {item[0]!r}", item[1])
             if item[1] <= previous:
                 raise ValueError(f"class bounds must increase strictly, got {item[1]} after {previous}")
             previous = item[1]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmq.cost import ImagePolicy, ImageShape, ResolutionPolicy, check_side
+from vlmq.cost import ImagePolicy, ImageShape, ResolutionPolicy, check_side, positive_int
 from vlmq.errors import InvalidRequest
 
 __all__ = [
@@ -35,12 +35,6 @@ __all__ = [
 ]
 
 JsonDict = Mapping[str, Any]
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 # --- InternVL -------------------------------------------------------------------------------------
@@ -107,14 +101,12 @@ class InternVLPolicy:
 
     def __post_init__(self) -> None:
         for name in ("tile_height", "tile_width", "min_tiles", "max_tiles", "tokens_per_tile", "patches_per_tile"):
-            _positive(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.min_tiles > self.max_tiles:
             raise ValueError(f"min_patches ({self.min_tiles}) must not exceed max_patches ({self.max_tiles})")
 
     def grid(self, height: int, width: int) -> tuple[int, int]:
-        """The ``(columns, rows)`` grid of a ``height x width`` image (``(1, 1)`` when tiling is off)."""
-        if self.max_tiles <= 1:
-            return 1, 1
+        """The ``(columns, rows)`` grid of a ``height x width`` image (``(1, 1)`` when tiling is off: max_tiles 1)."""
         return internvl_tile_grid(height, width, self.tile_height, self.tile_width, self.min_tiles, self.max_tiles)
 
     def measure(self, height: int, width: int) -> ImageShape:
@@ -137,8 +129,8 @@ class InternVLPolicy:
 def _pair(name: str, value: object) -> tuple[int, int]:
     # config values given as an int or as [height, width]
     if isinstance(value, (list, tuple)) and len(value) == 2:
-        return _positive(name, value[0]), _positive(name, value[1])
-    side = _positive(name, value)
+        return positive_int(name, value[0]), positive_int(name, value[1])
+    side = positive_int(name, value)
     return side, side
 
 
@@ -230,8 +222,8 @@ class LlavaNextPolicy:
     drop_first_feature: bool = True
 
     def __post_init__(self) -> None:
-        _positive("tile_size", self.tile_size)
-        _positive("patch_size", self.patch_size)
+        positive_int("tile_size", self.tile_size)
+        positive_int("patch_size", self.patch_size)
         if not self.grid_pinpoints:
             raise ValueError("image_grid_pinpoints must not be empty")
         for pin in self.grid_pinpoints:

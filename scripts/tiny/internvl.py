@@ -6,24 +6,17 @@ The tokenizer is the bundled tiny model's byte-level BPE with `<img>`, `</img>` 
 `<video>`, which transformers' InternVLProcessor requires)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import torch
-from transformers import AutoTokenizer, GenerationConfig, InternVLConfig, InternVLForConditionalGeneration
+from transformers import AutoTokenizer, InternVLConfig, InternVLForConditionalGeneration
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
+from tiny import TARGET_DIR
+from tiny.hf_folder import chat_template, random_model, save_folder
+
 IMAGE_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
                 "video_token": "<video>"}
-# the Hub checkpoints' template, with the image rendered as the context token the processor expands
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = chat_template("<IMG_CONTEXT>")  # the context token the processor expands
 # initializer_range 0.2: greedy answers of a random model that depend on the image (0.02 gives "\n" forever)
 TINY_TEXT = dict(model_type="qwen2", initializer_range=0.2, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
@@ -37,7 +30,7 @@ def build_internvl(path: str | Path, *, text: dict | None = None, vision: dict |
     """Write a random-weight float32 InternVL checkpoint to `path`; returns it. `text` and `vision` override the
     tiny sizes; `config` overrides InternVLConfig fields (downsample_ratio, vision_feature_layer, ...)."""
     path = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER, extra_special_tokens=IMAGE_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR, extra_special_tokens=IMAGE_TOKENS)
     tokenizer.add_tokens(list(IMAGE_TOKENS.values()), special_tokens=True)
     tokenizer.chat_template = CHAT_TEMPLATE
     vision = dict(TINY_VISION, **(vision or {}))
@@ -47,19 +40,11 @@ def build_internvl(path: str | Path, *, text: dict | None = None, vision: dict |
     text_config = dict(TINY_TEXT, **(text or {}), vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None)
     cfg = InternVLConfig(text_config=text_config, vision_config=vision, image_seq_length=tokens_per_tile,
                          image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), **config)
-    torch.manual_seed(seed)
-    model = InternVLForConditionalGeneration._from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # lively random weights: the default init leaves the vision layer scales at 0.1
-        for name, p in model.named_parameters():
-            if "lambda_" in name or "position_embeddings" in name or "cls_token" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(path)
-    GenerationConfig(eos_token_id=eos).save_pretrained(path)
+    lively = ("lambda_", "position_embeddings", "cls_token")  # the default init leaves the layer scales at 0.1
+    model = random_model(InternVLForConditionalGeneration, cfg, seed, lively)
     size = vision["image_size"]
-    GotOcr2ImageProcessorPil(size={"height": size, "width": size}, crop_to_patches=True, max_patches=max_patches,
-                             image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    image_processor = GotOcr2ImageProcessorPil(size={"height": size, "width": size}, crop_to_patches=True,
+                                               max_patches=max_patches, image_mean=[0.485, 0.456, 0.406],
+                                               image_std=[0.229, 0.224, 0.225])
     processor = {"image_seq_length": tokens_per_tile, "processor_class": "InternVLProcessor"}
-    (path / "processor_config.json").write_text(json.dumps(processor, indent=2))
-    return path
+    return save_folder(path, model, tokenizer, image_processor, processor)

@@ -6,21 +6,15 @@ Tiles are 56 px (14-px patches, a 4×4 feature grid per tile) and the pinpoints 
 scaled to that tile, so small images exercise every grid, unpadding and `image_newline`."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import torch
-from transformers import AutoTokenizer, GenerationConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+from transformers import AutoTokenizer, LlavaNextConfig, LlavaNextForConditionalGeneration
 from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<image>\n' }}"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
-)
+from tiny import TARGET_DIR
+from tiny.hf_folder import chat_template, random_model, save_folder
+
+CHAT_TEMPLATE = chat_template("<image>")
 TILE = 56
 PINPOINTS = [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]]
 # initializer_range 0.2: greedy answers of a random model that depend on the image
@@ -37,7 +31,7 @@ def build_llava_next(path: str | Path, *, text: dict | None = None, vision: dict
     """Write a random-weight float32 LLaVA-NeXT checkpoint to `path`; returns it. `text` and `vision` override the
     tiny sizes; `config` overrides LlavaNextConfig fields (vision_feature_layer, ...)."""
     path = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
     tokenizer.add_tokens(["<image>"], special_tokens=True)
     tokenizer.chat_template = CHAT_TEMPLATE
     vision = dict(TINY_VISION, **(vision or {}))
@@ -45,20 +39,12 @@ def build_llava_next(path: str | Path, *, text: dict | None = None, vision: dict
     text_config = dict(TINY_TEXT, **(text or {}), vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None)
     cfg = LlavaNextConfig(text_config=text_config, vision_config=vision, image_grid_pinpoints=PINPOINTS,
                           image_token_index=tokenizer.convert_tokens_to_ids("<image>"), **config)
-    torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration._from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # lively random weights for the vision tower's embeddings and the newline
-        for name, p in model.named_parameters():
-            if "class_embedding" in name or "position_embedding" in name or "image_newline" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(path)
-    GenerationConfig(eos_token_id=eos).save_pretrained(path)
-    LlavaNextImageProcessorPil(size={"shortest_edge": TILE}, crop_size={"height": TILE, "width": TILE},
-                               image_grid_pinpoints=PINPOINTS).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    lively = ("class_embedding", "position_embedding", "image_newline")  # the vision embeddings and the newline
+    model = random_model(LlavaNextForConditionalGeneration, cfg, seed, lively)
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": TILE},
+                                                 crop_size={"height": TILE, "width": TILE},
+                                                 image_grid_pinpoints=PINPOINTS)
     processor = {"patch_size": vision["patch_size"], "num_additional_image_tokens": 1,
                  "vision_feature_select_strategy": cfg.vision_feature_select_strategy,
                  "processor_class": "LlavaNextProcessor"}
-    (path / "processor_config.json").write_text(json.dumps(processor, indent=2))
-    return path
+    return save_folder(path, model, tokenizer, image_processor, processor)

@@ -4,30 +4,28 @@ call, chunked prefills beside decodes on scattered cache blocks), and greedy out
 workload with the encoder and prefix caches on."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tiled_parity import (
     Req,
-    Runner,
     batched_encode_matches,
-    check,
     chunked_prefill_beside_decodes,
     encoder_calls_under_budget,
     greedy_workload_matches,
     image,
     image_sizes,
+    load_checkpoint,
     prefill_then_decode,
+    prompt_positions_check_image_tokens,
+    resaved_logits_match,
 )
 from tiny.internvl import build_internvl
 from transformers import AutoModelForImageTextToText
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-from vlmq.workers.engine.tiling import TilingPreprocessor, num_tiles
-from vlmq.workers.models.loader import load_model
-from vlmq.workers.models.processor import load_processor
+from vlmq.families import InternVLPolicy
+from vlmq.workers.engine.tiling import TilingPreprocessor
 
 LLAMA = dict(model_type="llama", attention_bias=True, mlp_bias=True, head_dim=24)
 
@@ -37,8 +35,7 @@ def checkpoint(request, tmp_path_factory):
     torch.set_num_threads(1)
     text = LLAMA if request.param == "llama" else None
     path = build_internvl(tmp_path_factory.mktemp(f"internvl-{request.param}"), text=text)
-    ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return path, ref, load_model(path, "cpu", torch.float32), load_processor(path)
+    return load_checkpoint(path)
 
 
 # ------------------------------------------------------------------------------------------- preprocessing
@@ -50,12 +47,13 @@ def test_tiles_bit_exact_with_transformers(native):
     ours = TilingPreprocessor.from_preprocessor_config({**config, "crop_to_patches": False})  # the processor crops
     if not native:
         ours = TilingPreprocessor(ours.policy, ours.image_mean, ours.image_std, ours.rescale_factor, native=False)
+    price = InternVLPolicy(tile_height=56, tile_width=56, max_tiles=6)  # the SDK's price of the same tiles
     for i, (w, h) in enumerate(image_sizes(3, 30, 500)):
         img = image(w, h, i)
         expected = ref(images=[img], crop_to_patches=True, return_tensors="pt")
         pixels, grid = ours([img])
         assert torch.equal(pixels, expected["pixel_values"]), (w, h)
-        assert grid[0, 0] == expected["num_patches"][0] == num_tiles(h, w, ours.policy), (w, h)
+        assert grid[0, 0] == expected["num_patches"][0] == price.measure(h, w).num_tiles, (w, h)
         assert grid[0, 0] == ref.get_number_of_image_patches(h, w, {"crop_to_patches": True})
 
 
@@ -76,9 +74,7 @@ def test_mixed_sizes_one_encoder_call_chunked_steps(checkpoint):
     """Three requests of 1, 3 and 7 tiles: one encoder call for all 11 tiles, then a chunked prefill (cutting
     through the image) beside the others' decodes."""
     _, ref, ours, processor = checkpoint
-    a, b, c = (Req(processor, ours, size, seed) for seed, size in enumerate([(300, 200), (40, 40), (60, 130)], 2))
-    assert [int(x.grid[0, 0]) for x in (a, b, c)] == [7, 1, 3]
-    chunked_prefill_beside_decodes(ours, a, b, c, lambda r: reference_logits(ref, r))
+    chunked_prefill_beside_decodes(ours, processor, lambda r: reference_logits(ref, r), [7, 1, 3])
 
 
 def test_tiles_batched_equal_one_image_at_a_time(checkpoint):
@@ -89,11 +85,7 @@ def test_tiles_batched_equal_one_image_at_a_time(checkpoint):
 
 def test_prompt_positions_check_image_tokens(checkpoint):
     _, _, ours, processor = checkpoint
-    r = Req(processor, ours, (130, 60), seed=5)
-    positions, delta = ours.prompt_positions(r.seq.token_ids, r.grid)
-    assert positions.tolist() == [list(range(r.prompt_len))] and delta == 0
-    with pytest.raises(ValueError, match="image tokens"):
-        ours.prompt_positions(r.seq.token_ids, torch.tensor([[1, 1, 1]]))
+    prompt_positions_check_image_tokens(ours, processor, [1, 1, 1])
 
 
 def test_hub_key_layout_and_feature_layer(tmp_path):
@@ -104,11 +96,7 @@ def test_hub_key_layout_and_feature_layer(tmp_path):
     state = load_file(path / "model.safetensors")
     renamed = {"model." + k.replace("language_model.model.", "language_model."): v for k, v in state.items()}
     assert {"model.language_model.embed_tokens.weight", "model.vision_tower.embeddings.cls_token"} <= renamed.keys()
-    shutil.copytree(path, tmp_path / "hub", ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file(renamed, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
-    ours = load_model(tmp_path / "hub", "cpu", torch.float32)
-    r = Req(load_processor(tmp_path / "hub"), ours, (90, 140), seed=9)
-    check(Runner(ours, [r]).step([(r, r.prompt_len)])[0], reference_logits(ref, r))
+    resaved_logits_match(path, renamed, lambda r: reference_logits(ref, r))
 
 
 # ------------------------------------------------------------------------------------- greedy, the engine

@@ -4,22 +4,21 @@ through the ModelRunner (tiles of many requests in one encoder call, chunked pre
 cache blocks), and greedy outputs of a continuously batched workload with the encoder and prefix caches on."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tiled_parity import (
     Req,
-    Runner,
     batched_encode_matches,
-    check,
     chunked_prefill_beside_decodes,
     encoder_calls_under_budget,
     greedy_workload_matches,
     image,
     image_sizes,
+    load_checkpoint,
     prefill_then_decode,
+    prompt_positions_check_image_tokens,
+    resaved_logits_match,
 )
 from tiny.llava_next import PINPOINTS, TILE, build_llava_next
 from transformers import AutoModelForImageTextToText
@@ -28,8 +27,7 @@ from transformers.models.llava_next.image_processing_pil_llava_next import Llava
 from vlmq.families import read_model_folder, select_best_resolution
 from vlmq.workers.engine.anyres import AnyresPreprocessor
 from vlmq.workers.engine.tiling import image_preprocessor_for
-from vlmq.workers.models.loader import load_model
-from vlmq.workers.models.processor import load_processor, render_prompt
+from vlmq.workers.models.processor import render_prompt
 
 QWEN2 = dict(model_type="qwen2")
 
@@ -39,8 +37,7 @@ def checkpoint(request, tmp_path_factory):
     torch.set_num_threads(1)
     text = QWEN2 if request.param == "qwen2" else None
     path = build_llava_next(tmp_path_factory.mktemp(f"llava-next-{request.param}"), text=text)
-    ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return path, ref, load_model(path, "cpu", torch.float32), load_processor(path)
+    return load_checkpoint(path)
 
 
 # ------------------------------------------------------------------------------------------- preprocessing
@@ -106,9 +103,7 @@ def test_mixed_sizes_one_encoder_call_chunked_steps(checkpoint):
     """Three requests of 5, 3 and 4 tiles: one encoder call for all 12 tiles, then a chunked prefill (cutting
     through the image) beside the others' decodes."""
     _, ref, ours, processor = checkpoint
-    a, b, c = (Req(processor, ours, size, seed) for seed, size in enumerate([(300, 200), (40, 40), (60, 130)], 2))
-    assert [int(x.grid[0, 0]) for x in (a, b, c)] == [5, 3, 4]
-    chunked_prefill_beside_decodes(ours, a, b, c, lambda r: reference_logits(ref, r))
+    chunked_prefill_beside_decodes(ours, processor, lambda r: reference_logits(ref, r), [5, 3, 4])
 
 
 def test_tiles_batched_equal_one_image_at_a_time(checkpoint):
@@ -120,11 +115,7 @@ def test_tiles_batched_equal_one_image_at_a_time(checkpoint):
 
 def test_prompt_positions_check_image_tokens(checkpoint):
     _, _, ours, processor = checkpoint
-    r = Req(processor, ours, (130, 60), seed=5)
-    positions, delta = ours.prompt_positions(r.seq.token_ids, r.grid)
-    assert positions.tolist() == [list(range(r.prompt_len))] and delta == 0
-    with pytest.raises(ValueError, match="image tokens"):
-        ours.prompt_positions(r.seq.token_ids, torch.tensor([[2, 1, 1, 56, 56]]))
+    prompt_positions_check_image_tokens(ours, processor, [2, 1, 1, 56, 56])
 
 
 def test_hub_key_layout_and_feature_layers(tmp_path):
@@ -135,21 +126,16 @@ def test_hub_key_layout_and_feature_layers(tmp_path):
     state = load_file(path / "model.safetensors")
     assert "vision_tower.embeddings.class_embedding" in state
     renamed = {k.replace("vision_tower.", "vision_tower.vision_model."): v for k, v in state.items()}
-    shutil.copytree(path, tmp_path / "hub", ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file(renamed, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
-    ours = load_model(tmp_path / "hub", "cpu", torch.float32)
-    r = Req(load_processor(tmp_path / "hub"), ours, (90, 140), seed=9)
-    check(Runner(ours, [r]).step([(r, r.prompt_len)])[0], reference_logits(ref, r))
+    resaved_logits_match(path, renamed, lambda r: reference_logits(ref, r))
 
 
 def test_mistral_sliding_window_bounds_positions(tmp_path):
     """A Mistral LM: same logits as transformers while the sequence fits its sliding window, which becomes the
     model's position bound (intake refuses longer requests)."""
     path = build_llava_next(tmp_path, text=dict(model_type="mistral", sliding_window=200))
-    ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    ours = load_model(path, "cpu", torch.float32)
+    _, ref, ours, processor = load_checkpoint(path)
     assert ours.max_positions == 200
-    prefill_then_decode(ours, Req(load_processor(path), ours, (90, 140), seed=9), lambda r: reference_logits(ref, r))
+    prefill_then_decode(ours, Req(processor, ours, (90, 140), seed=9), lambda r: reference_logits(ref, r))
 
 
 # ------------------------------------------------------------------------------------- greedy, the engine

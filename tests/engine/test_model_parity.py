@@ -89,7 +89,7 @@ class Runner:
     """Drives the engine's ModelRunner with hand-made steps: every image in one packed encoder call on the first
     step, then the given chunks (prefill pieces beside decodes) on scattered cache blocks."""
 
-    def __init__(self, model, seqs: list[Seq], block_size: int = 4, num_blocks: int = 128) -> None:
+    def __init__(self, model, seqs: list[Seq], block_size: int = 4, num_blocks: int = 256) -> None:
         config = EngineConfig(block_size=block_size, num_blocks=num_blocks)
         cache = EncoderCache(1 << 30)
         self.runner = ModelRunner(model, config, cache)
@@ -114,7 +114,9 @@ class Runner:
             out.scheduled.append(ScheduledSeq(s.seq, n, start, s.ids[start:end], list(s.table),
                                               slot_mapping(s.table, self.block_size, start, end), 0, True))
             s.cached = end
+        calls = self.runner.num_encoder_calls
         hidden = self.runner.forward(out)
+        assert self.runner.num_encoder_calls - calls == (1 if out.encoder_inputs else 0)  # all images, one call
         with torch.no_grad():
             return list(self.model.compute_logits(hidden).split([n for _, n in plan]))
 

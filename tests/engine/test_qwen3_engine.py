@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiled_parity import MAX_NEW, greedy_answers
 from tiny.qwen3_vl import build
 
 from vlmq.workers.engine.engine import Engine, Request
-from vlmq.workers.models.processor import load_processor, render_prompt
+from vlmq.workers.models.processor import load_processor
 
-MAX_NEW = 10
 NUM_FRESH, NUM_SAME_IMAGE, NUM_REPEATS = 44, 8, 4
 WORDS = "what colour shape is at the left right top bottom of this image count how many red blue".split()
 
@@ -42,17 +42,7 @@ def reference(model_dir, workload) -> dict[tuple[int, str], list[int]]:
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    processor = load_processor(model_dir)
-    eos = model.generation_config.eos_token_id
-    out = {}
-    for image, question in workload:
-        if (id(image), question) not in out:
-            inputs = processor(text=[render_prompt(processor, question)], images=[image], return_tensors="pt")
-            with torch.inference_mode():
-                ids = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-            completion = ids[0, inputs["input_ids"].shape[1]:].tolist()
-            out[(id(image), question)] = completion[:-1] if completion and completion[-1] == eos else completion
-    return out
+    return greedy_answers(model, load_processor(model_dir), workload)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix+encoder-cache", "encoder-cache"])

@@ -1,22 +1,27 @@
-"""What the tiling families' parity tests (InternVL, LLaVA-NeXT) share: random images, a request as the engine's
-intake makes it, the ModelRunner driven with hand-made steps, the logits check, and the greedy workload run as one
-continuously batched engine load against transformers' `generate`."""
+"""What the tiling families' parity tests (InternVL, LLaVA-NeXT) share: checkpoints loaded both ways, a request as
+the engine's intake makes it (driven through the ModelRunner by test_model_parity's Runner), the logits checks, and
+the greedy workload run as one continuously batched engine load against transformers' `generate` (whose answers
+the Qwen3-VL engine test takes from here too)."""
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 
-import numpy as np
+import pytest
 import torch
 from PIL import Image
+from safetensors.torch import save_file
+from test_model_parity import TOL, Runner, check
+from test_model_parity import make_image as image
+from transformers import AutoModelForImageTextToText
 
-from vlmq.workers.engine import EncoderCache, EncoderInput, EngineConfig, ImagePlaceholder, Sequence, slot_mapping
+from vlmq.workers.engine import ImagePlaceholder, Sequence
 from vlmq.workers.engine.engine import Engine, Request
-from vlmq.workers.engine.model_runner import ModelRunner
-from vlmq.workers.engine.outputs import ScheduledSeq, SchedulerOutput
 from vlmq.workers.engine.tiling import image_preprocessor_for
-from vlmq.workers.models.processor import ChatPrompt, render_prompt
+from vlmq.workers.models.loader import load_model
+from vlmq.workers.models.processor import ChatPrompt, load_processor, render_prompt
 
-TOL = 1e-4
 MAX_NEW = 10
 # tiny, one-pixel strips, exact tile multiples, near-square ties and extreme aspect ratios
 SIZES = [(1, 1), (1, 300), (300, 1), (56, 56), (112, 56), (56, 112), (55, 57), (100, 100), (168, 56), (56, 168),
@@ -29,8 +34,10 @@ def image_sizes(seed: int, count: int, largest: int) -> list[tuple[int, int]]:
     return SIZES + [(rng.randint(1, largest), rng.randint(1, largest)) for _ in range(count)]
 
 
-def image(w: int, h: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+def load_checkpoint(path: Path) -> tuple:
+    """(path, transformers' model, ours, our processor) of a checkpoint folder, float32 on the CPU."""
+    ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return path, ref, load_model(path, "cpu", torch.float32), load_processor(path)
 
 
 class Req:
@@ -43,44 +50,8 @@ class Req:
         ids = ChatPrompt(processor).ids(f"question {seed}", tokens)
         at = ids.index(model.config.image_token_id)
         self.seq = Sequence(seed, ids, images=(ImagePlaceholder(f"img{seed}", at, tokens, patches),))
+        self.ids = self.seq.token_ids  # what the shared Runner reads; decoding appends to it
         self.prompt_len, self.table, self.cached = len(ids), [], 0
-
-
-class Runner:
-    """The engine's ModelRunner driven with hand-made steps on scattered cache blocks."""
-
-    def __init__(self, model, reqs: list[Req], block_size: int = 4, num_blocks: int = 256) -> None:
-        cache = EncoderCache(1 << 30)
-        self.runner = ModelRunner(model, EngineConfig(block_size=block_size, num_blocks=num_blocks), cache)
-        self.model, self.block_size = model, block_size
-        self.free = random.Random(1).sample(range(num_blocks), num_blocks)
-        self.encode = []
-        for r in reqs:
-            self.runner.add_inputs(r.seq.seq_id, r.pixels, r.grid, *model.prompt_positions(r.seq.token_ids, r.grid))
-            img = r.seq.images[0]
-            cache.reserve(img.content_hash, img.num_tokens, r.seq.seq_id)
-            self.encode.append(EncoderInput(img.content_hash, r.seq.seq_id, 0, img.num_patches, img.num_tokens))
-
-    def step(self, plan: list[tuple[Req, int]]) -> list[torch.Tensor]:
-        out = SchedulerOutput(step=0, encoder_inputs=self.encode)
-        self.encode = []
-        for r, n in plan:
-            start, end = r.cached, r.cached + n
-            while len(r.table) * self.block_size < end:
-                r.table.append(self.free.pop())
-            out.scheduled.append(ScheduledSeq(r.seq, n, start, r.seq.token_ids[start:end], list(r.table),
-                                              slot_mapping(r.table, self.block_size, start, end), 0, True))
-            r.cached = end
-        calls = self.runner.num_encoder_calls
-        hidden = self.runner.forward(out)
-        assert self.runner.num_encoder_calls - calls == (1 if out.encoder_inputs else 0)  # all tiles, one call
-        return list(self.model.compute_logits(hidden).split([n for _, n in plan]))
-
-
-def check(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert ours.shape == ref.shape
-    diff = (ours - ref).abs().max().item()
-    assert diff <= TOL, f"max abs logit diff {diff:.2e} (logit std {ref.std().item():.2f})"
 
 
 def prefill_then_decode(ours, r: Req, reference) -> None:
@@ -96,9 +67,12 @@ def prefill_then_decode(ours, r: Req, reference) -> None:
     check(torch.stack(decoded), reference(r)[r.prompt_len:])
 
 
-def chunked_prefill_beside_decodes(ours, a: Req, b: Req, c: Req, reference) -> None:
-    """One encoder call for the three requests' tiles; b and c prefill whole and then decode while a prefills in
-    chunks (cutting through its image); every logit against `reference`."""
+def chunked_prefill_beside_decodes(ours, processor, reference, tiles: list[int]) -> None:
+    """Requests a, b, c for 300×200, 40×40 and 60×130 images (of `tiles` tiles): one encoder call for all their
+    tiles; b and c prefill whole and then decode while a prefills in chunks (cutting through its image); every logit
+    against `reference`."""
+    a, b, c = (Req(processor, ours, size, seed) for seed, size in enumerate([(300, 200), (40, 40), (60, 130)], 2))
+    assert [int(x.grid[0, 0]) for x in (a, b, c)] == tiles
     runner = Runner(ours, [a, b, c])
     first = runner.step([(a, 9), (b, b.prompt_len), (c, c.prompt_len)])
     heads, outs = {b: first[1], c: first[2]}, {a: [first[0]], b: [], c: []}
@@ -114,6 +88,26 @@ def chunked_prefill_beside_decodes(ours, a: Req, b: Req, c: Req, reference) -> N
         full = reference(r)
         check(heads[r], full[:r.prompt_len])
         check(torch.cat(outs[r]), full[r.prompt_len:])
+
+
+def prompt_positions_check_image_tokens(ours, processor, wrong_grid: list[int]) -> None:
+    """Plain text positions (delta 0) for a prompt with one image; a grid row of another token count is refused."""
+    r = Req(processor, ours, (130, 60), seed=5)
+    positions, delta = ours.prompt_positions(r.seq.token_ids, r.grid)
+    assert positions.tolist() == [list(range(r.prompt_len))] and delta == 0
+    with pytest.raises(ValueError, match="image tokens"):
+        ours.prompt_positions(r.seq.token_ids, torch.tensor([wrong_grid]))
+
+
+def resaved_logits_match(path: Path, state: dict, reference) -> None:
+    """The checkpoint folder `path` with its weights replaced by `state` (in a copy, `hub` beside it) loads to a
+    prefill's logits equal to `reference(r)`."""
+    hub = path.parent / "hub"
+    shutil.copytree(path, hub, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, hub / "model.safetensors", metadata={"format": "pt"})
+    ours = load_model(hub, "cpu", torch.float32)
+    r = Req(load_processor(hub), ours, (90, 140), seed=9)
+    check(Runner(ours, [r]).step([(r, r.prompt_len)])[0], reference(r))
 
 
 def batched_encode_matches(ours, reqs: list[Req], reference) -> None:
@@ -147,11 +141,9 @@ def workload() -> list[tuple[Image.Image, str]]:
     return fresh + same_image + fresh[10:16]  # exact repeats: whole-prompt prefix-cache hits
 
 
-def greedy_workload_matches(path, ref, processor) -> None:
-    """>= 50 mixed-resolution prompts as one continuously batched engine load (a few join before every step, while
-    others decode), caches on: every answer token for token equal to transformers' greedy `generate`."""
-    prompts = workload()
-    assert len(prompts) >= 50
+def greedy_answers(ref, processor, prompts: list[tuple[Image.Image, str]]) -> dict[tuple[int, str], list[int]]:
+    """transformers' greedy `generate` (MAX_NEW tokens, eos dropped) of each distinct (image, question), one at a
+    time, keyed by (id(image), question)."""
     expected = {}
     eos = ref.generation_config.eos_token_id
     for img, question in prompts:
@@ -159,7 +151,16 @@ def greedy_workload_matches(path, ref, processor) -> None:
             inputs = processor(text=[render_prompt(processor, question)], images=[img], return_tensors="pt")
             with torch.no_grad():
                 out = ref.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, inputs["input_ids"].shape[1]:]
-            expected[id(img), question] = [t for t in out.tolist() if t != eos][:MAX_NEW]
+            expected[id(img), question] = [t for t in out.tolist() if t != eos]
+    return expected
+
+
+def greedy_workload_matches(path, ref, processor) -> None:
+    """>= 50 mixed-resolution prompts as one continuously batched engine load (a few join before every step, while
+    others decode), caches on: every answer token for token equal to transformers' greedy `generate`."""
+    prompts = workload()
+    assert len(prompts) >= 50
+    expected = greedy_answers(ref, processor, prompts)
     assert len({tuple(v) for v in expected.values()}) > len(expected) // 2  # answers depend on the image
     engine = Engine.from_model_dir(path, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256,
                                    long_prefill_chunk_size=64)

@@ -42,12 +42,6 @@ def tile_grid(height: int, width: int, policy: TilePolicy) -> tuple[int, int]:
     return internvl_tile_grid(height, width, policy.tile_size, policy.tile_size, policy.min_tiles, policy.max_tiles)
 
 
-def num_tiles(height: int, width: int, policy: TilePolicy) -> int:
-    """Tiles the encoder runs for an image: the grid, plus the thumbnail when the grid has more than one tile."""
-    cols, rows = tile_grid(height, width, policy)
-    return cols * rows + (cols * rows > 1)
-
-
 @dataclass(frozen=True, slots=True)
 class TilingPreprocessor(ImagePreprocessor):
     """Settings of a GotOcr2-style (InternVL) image processor; `__call__` turns RGB images into tiles. Pixel settings,

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from vlmq.workers.layers.mlp import GatedMLP, PlainMLP
+from vlmq.workers.layers.mlp import PlainMLP
 from vlmq.workers.layers.norm import RMSNorm
 from vlmq.workers.layers.rotary import inv_frequencies
 from vlmq.workers.models.qwen2_vl import DecoderLayer as Qwen2DecoderLayer
-from vlmq.workers.models.qwen2_vl import Qwen2Attention, Qwen2VLModel
+from vlmq.workers.models.qwen2_vl import Qwen2Attention, Qwen2VLModel, head_dim_of
 from vlmq.workers.models.qwen2_vl import TextModel as Qwen2TextModel
 
 
@@ -158,31 +158,16 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _head_dim(tc) -> int:
-    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-
-
 class Attention(Qwen2Attention):
     """Qwen2's attention (q, k, v biased) or Llama's (`attention_bias` on all four), head_dim from the config."""
 
     def __init__(self, tc) -> None:
-        nn.Module.__init__(self)
-        self.num_heads, self.num_kv_heads, self.head_dim = tc.num_attention_heads, tc.num_key_value_heads, _head_dim(tc)
         llama_bias = getattr(tc, "attention_bias", False)
-        qkv_bias, out_bias = tc.model_type == "qwen2" or llama_bias, tc.model_type != "qwen2" and llama_bias
-        self.q_proj = nn.Linear(tc.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(tc.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(tc.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, tc.hidden_size, bias=out_bias)
+        super().__init__(tc, tc.model_type == "qwen2" or llama_bias, tc.model_type != "qwen2" and llama_bias)
 
 
 class DecoderLayer(Qwen2DecoderLayer):
-    def __init__(self, tc) -> None:
-        nn.Module.__init__(self)
-        self.self_attn = Attention(tc)
-        self.mlp = GatedMLP(tc.hidden_size, tc.intermediate_size, tc.hidden_act, bias=getattr(tc, "mlp_bias", False))
-        self.input_layernorm = RMSNorm(tc.hidden_size, tc.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(tc.hidden_size, tc.rms_norm_eps)
+    attention_cls = Attention
 
 
 class TextModel(Qwen2TextModel):
@@ -196,7 +181,7 @@ class TextModel(Qwen2TextModel):
         super().__init__(tc)
 
     def _rotary(self, tc) -> nn.Module:
-        return RotaryEmbedding(_head_dim(tc), tc.rope_parameters["rope_theta"])
+        return RotaryEmbedding(head_dim_of(tc), tc.rope_parameters["rope_theta"])
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -226,7 +211,7 @@ class InternVLModel(Qwen2VLModel):
         self.multi_modal_projector = MultiModalProjector(config)
         self.language_model = TextModel(tc)
         self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
-        self.num_kv_heads, self.head_dim = tc.num_key_value_heads, _head_dim(tc)
+        self.num_kv_heads, self.head_dim = tc.num_key_value_heads, head_dim_of(tc)
         self.max_positions = tc.max_position_embeddings
         self.patches_per_tile = (vc.image_size[0] // vc.patch_size[0]) ** 2
         self.tokens_per_tile = int(self.patches_per_tile * config.downsample_ratio**2)

@@ -20,9 +20,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from vlmq.families import llava_next_num_features
-from vlmq.workers.models.internvl import InternVLModel, _head_dim
+from vlmq.workers.models.internvl import InternVLModel
 from vlmq.workers.models.internvl import TextModel as InternVLTextModel
 from vlmq.workers.models.qwen2_vl import TextModel as Qwen2TextModel
+from vlmq.workers.models.qwen2_vl import head_dim_of
 
 
 # ---------------------------------------------------------------------------------------------- vision tower
@@ -178,7 +179,7 @@ class LlavaNextModel(InternVLModel):
         self.image_newline = nn.Parameter(torch.zeros(tc.hidden_size))
         self.language_model = TextModel(tc)
         self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
-        self.num_kv_heads, self.head_dim = tc.num_key_value_heads, _head_dim(tc)
+        self.num_kv_heads, self.head_dim = tc.num_key_value_heads, head_dim_of(tc)
         # a sequence no longer than Mistral's sliding window attends over all of it, as full attention does; intake
         # refuses longer ones (prompt_too_long)
         window = getattr(tc, "sliding_window", None) if tc.model_type == "mistral" else None

@@ -108,14 +108,14 @@ def head_dim_of(tc) -> int:
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, tc) -> None:
-        super().__init__()
+    def __init__(self, tc, qkv_bias: bool = True, out_bias: bool = False) -> None:
+        super().__init__()  # Qwen2's biases by default; InternVL's Llama and Qwen3 bias otherwise
         self.num_heads, self.num_kv_heads = tc.num_attention_heads, tc.num_key_value_heads
-        self.head_dim = tc.hidden_size // self.num_heads
-        self.q_proj = nn.Linear(tc.hidden_size, self.num_heads * self.head_dim)
-        self.k_proj = nn.Linear(tc.hidden_size, self.num_kv_heads * self.head_dim)
-        self.v_proj = nn.Linear(tc.hidden_size, self.num_kv_heads * self.head_dim)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, tc.hidden_size, bias=False)
+        self.head_dim = head_dim_of(tc)
+        self.q_proj = nn.Linear(tc.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(tc.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(tc.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, tc.hidden_size, bias=out_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv: KVCache):
         # x: [T, hidden] -> q: [T, H, D], k, v: [T, Hkv, D]
@@ -127,12 +127,12 @@ class Qwen2Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    attention_cls: type[nn.Module] = Qwen2Attention  # Qwen3-VL swaps in its q/k-normed attention
+    attention_cls: type[nn.Module] = Qwen2Attention  # Qwen3-VL's q/k-normed one, InternVL's Llama-biased one
 
     def __init__(self, tc) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(tc)
-        self.mlp = GatedMLP(tc.hidden_size, tc.intermediate_size, tc.hidden_act)
+        self.mlp = GatedMLP(tc.hidden_size, tc.intermediate_size, tc.hidden_act, bias=getattr(tc, "mlp_bias", False))
         self.input_layernorm = RMSNorm(tc.hidden_size, tc.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(tc.hidden_size, tc.rms_norm_eps)
 

@@ -135,15 +135,10 @@ class Qwen3VisionTransformer(nn.Module):
 
 
 # -------------------------------------------------------------------------------------------- language model
-class Qwen3Attention(nn.Module):
+class Qwen3Attention(qwen2_vl.Qwen2Attention):
     def __init__(self, tc) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim
         bias = bool(getattr(tc, "attention_bias", False))
-        self.q_proj = nn.Linear(tc.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(tc.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(tc.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, tc.hidden_size, bias=bias)
+        super().__init__(tc, bias, bias)
         self.q_norm = RMSNorm(self.head_dim, tc.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, tc.rms_norm_eps)
 
