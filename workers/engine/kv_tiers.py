@@ -23,6 +23,7 @@ from vlmq.workers.kvstore.format import Expected
 from vlmq.workers.kvstore.store import CHAIN_FETCHES, KVStore
 
 from .block_hash import seq_block_hashes
+from .encoder_cache import encoder_output_width
 from .intake import Prepared
 
 GRACE_S = 0.05  # added to every deadline: host and disk lookups cost a little even when recompute is free
@@ -115,7 +116,7 @@ class KVTiers:
         p = _Parked(prepared, now)
         missing = [img for img in seq.images if img.content_hash not in self.cache]
         for img in missing:
-            shape = (img.num_tokens, self.runner.model.config.text_config.hidden_size)
+            shape = (img.num_tokens, encoder_output_width(self.runner.model))
             recompute = self.encode_rate.seconds(img.num_patches)
             use_archive = self._worth_fetching(shape, recompute, 1)
             p.enc[img.content_hash] = self.store.fetch("enc", img.content_hash, self._expect("enc", img.content_hash,
