@@ -171,11 +171,11 @@ class KVTiers:
         self.counts["archive_fetches" if use else "fetch_skipped"] += 1
         return use
 
-    def ready(self, force: bool = False) -> list[tuple[str, Prepared]]:
+    def ready(self) -> list[tuple[str, Prepared]]:
         """Parked requests whose lookups are done or past their deadline, with what was found installed."""
         now, out = time.perf_counter(), []
         for request_id, p in list(self.parked.items()):
-            if force or p.done() or now >= p.deadline:
+            if p.done() or now >= p.deadline:
                 del self.parked[request_id]
                 self.counts["fetch_late"] += not p.done()
                 self._install(p)
