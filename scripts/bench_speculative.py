@@ -2,6 +2,7 @@
 relative to the same engine without speculation, per proposer and batch size, in one process run.
 
     python scripts/bench_speculative.py [--quick] [--json bench-results/speculative.json]
+    python scripts/bench_speculative.py --sampled 40     # seeded against unseeded sampling (docs/worker.md)
 
 Workloads (held-out splits of the bundled model, see its README): "captions" (seed 22, "Describe the image.",
 the long answers where decode dominates) and "mixed" (seed 7: 40% captions, the rest short questions). Batch b
@@ -86,13 +87,39 @@ def bench(quick: bool, rounds: int) -> list[dict]:
     return rows
 
 
+def bench_sampled(n: int, rounds: int) -> list[dict]:
+    """Sampled captions (temperature 1.0) at batch 1, the head proposer against the plain engine, seeded (request i:
+    seed i; verified by matching, spec_decode.verify_seeded) and unseeded (rejection sampling), interleaved rounds:
+    acceptance, tokens per target forward, speed-up in tokens per second; seeded answers must equal the plain
+    engine's."""
+    torch.set_num_threads(1)
+    captions = make_split(22, n, caption_prob=1.0)
+    plain = Engine.from_model_dir(MODEL, num_blocks=4096)
+    head = Engine.from_model_dir(MODEL, num_blocks=4096, speculative="head")
+    rows = []
+    for mode in ("seeded", "unseeded"):
+        reqs = [Request(e.image, e.question, MAX_NEW, temperature=1.0, seed=i if mode == "seeded" else None)
+                for i, e in enumerate(captions)]
+        engines = {None: plain, ("head", mode): head}
+        for engine in engines.values():
+            run(engine, reqs[:4], 1)  # warm-up
+        results: dict = {k: [] for k in engines}
+        for r in range(rounds):
+            for key in list(engines)[r % 2:] + list(engines)[:r % 2]:
+                results[key].append(run(engines[key], reqs, 1))
+        rows += report(f"captions-t1-{mode}", 1, results)
+    plain.close()
+    head.close()
+    return rows
+
+
 def summary(results: list[tuple]) -> dict:
     """Best and median round of one engine: wall and CPU seconds; the tokens and stats of its least-CPU round."""
     walls, cpus = sorted(r[0] for r in results), sorted(r[1] for r in results)
     best = min(results, key=lambda r: r[1])
     tokens_same = all(r[2] == best[2] for r in results)
     return dict(wall=walls[0], cpu=cpus[0], wall_median=walls[len(walls) // 2], cpu_median=cpus[len(cpus) // 2],
-                tokens=best[2] if tokens_same else None, stats=best[3])
+                tokens=best[2], same_each_round=tokens_same, stats=best[3])
 
 
 def report(workload: str, batch: int, results: dict) -> list[dict]:
@@ -104,15 +131,18 @@ def report(workload: str, batch: int, results: dict) -> list[dict]:
     for (method, mode), runs in ((k, v) for k, v in results.items() if k is not None):
         got = summary(runs)
         st = got["stats"]
+        own = sum(map(len, got["tokens"]))  # sampled without a seed: another count than the plain engine's
+        f = own / num_tokens  # speed-ups compare tokens per second
         rows.append(dict(
             workload=workload, batch=batch, proposer=method.split(":")[0], mode=mode, requests=len(base["tokens"]),
-            tokens=num_tokens, wall_s=round(got["wall"], 3), cpu_s=round(got["cpu"], 3),
-            tokens_per_s=round(num_tokens / got["cpu"], 1), speedup=round(base["cpu"] / got["cpu"], 3),
-            speedup_wall=round(base["wall"] / got["wall"], 3),
-            speedup_median=round(base["cpu_median"] / got["cpu_median"], 3),
-            speedup_wall_median=round(base["wall_median"] / got["wall_median"], 3),
+            tokens=own, wall_s=round(got["wall"], 3), cpu_s=round(got["cpu"], 3),
+            tokens_per_s=round(own / got["cpu"], 1), speedup=round(f * base["cpu"] / got["cpu"], 3),
+            speedup_wall=round(f * base["wall"] / got["wall"], 3),
+            speedup_median=round(f * base["cpu_median"] / got["cpu_median"], 3),
+            speedup_wall_median=round(f * base["wall_median"] / got["wall_median"], 3),
             acceptance=round(st.acceptance_rate, 3), tokens_per_forward=round(st.tokens_per_forward, 3),
-            proposed=st.num_proposed, accepted=st.num_accepted, same_tokens=got["tokens"] == base["tokens"]))
+            proposed=st.num_proposed, accepted=st.num_accepted,
+            same_tokens=got["same_each_round"] and got["tokens"] == base["tokens"]))
     for r in rows:
         print(json.dumps(r))
     return rows
@@ -122,12 +152,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 requests a workload, one round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", default=str(ROOT / "bench-results" / "speculative.json"))
+    parser.add_argument("--sampled", type=int, metavar="N",
+                        help="instead: N sampled captions at batch 1, head, seeded and unseeded (bench_sampled)")
+    parser.add_argument("--json", default=None, help="default bench-results/speculative[-sampled].json")
     args = parser.parse_args()
+    args.json = args.json or str(ROOT / "bench-results" / f"speculative{'-sampled' if args.sampled else ''}.json")
     t0 = time.perf_counter()
-    rows = bench(args.quick, 1 if args.quick else args.rounds)
+    rounds = 1 if args.quick else args.rounds
+    rows = bench_sampled(args.sampled, rounds) if args.sampled else bench(args.quick, rounds)
     meta = dict(model=MODEL.name, max_new_tokens=MAX_NEW, torch_threads=1, wall_s=round(time.perf_counter() - t0),
-                rounds=1 if args.quick else args.rounds,
+                rounds=rounds,
                 default=dict(max_k=SpecConfig("ngram").max_k, max_batch=MAX_BATCH))
     Path(args.json).parent.mkdir(exist_ok=True)
     Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")

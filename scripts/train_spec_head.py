@@ -73,7 +73,7 @@ def batch_tensors(items, embed):
     # inputs at j = 0..L-2: (h_j, x_{j+1}); targets: h_{j+1}, x_{j+2}; answer positions j >= P - 2
     n = max(len(f) for f, _, _ in items)
     hidden = embed.weight.shape[1]
-    feats, toks, tgt_f = torch.zeros(len(items), n, hidden), torch.zeros(len(items), n, dtype=torch.long), None
+    feats, toks = torch.zeros(len(items), n, hidden), torch.zeros(len(items), n, dtype=torch.long)
     tgt_f = torch.zeros(len(items), n, hidden)
     tgt_t = torch.full((len(items), n), -100, dtype=torch.long)
     for b, (f, ids, p) in enumerate(items):

@@ -116,3 +116,26 @@ def test_a_late_or_failed_fetch_is_a_recompute(model_dir, tmp_path, fault):
     finally:
         storage.gate.set()
         store.close()
+
+
+def test_a_wider_encoder_output_is_restored_from_the_archive(tmp_path):
+    # Qwen3-VL keeps DeepStack features beside each image token's input embedding: its encoder outputs are wider
+    # than the LM's hidden size, and an archived one must be looked up with that width to be restored
+    from tiny.qwen3_vl import build  # noqa: PLC0415 - only this test builds the checkpoint
+
+    model_dir = build(tmp_path / "qwen3")
+    (example,) = make_split(7, 1)
+    request = Request(example.image, example.question, 4)
+    model, storage = weights_identity(model_dir), FileStorage(tmp_path / "s3")
+    answers = []
+    for _ in range(2):  # the first worker computes and archives, the second restores
+        store = KVStore(model, KVStoreConfig(always_fetch=True), storage)
+        engine = Engine.from_model_dir(model_dir, num_blocks=64, kv_store=store, enable_prefix_caching=False)
+        try:
+            answers.append(engine.generate([request])[0].token_ids)
+            store.flush()
+        finally:
+            store.close()
+    assert engine.runner.model.encoder_output_width > engine.runner.model.config.text_config.hidden_size
+    assert answers[0] == answers[1] and store.stats()["archive_bad_objects"] == 0
+    assert engine.tiers.counts["restored_images"] == 1 and engine.stats.num_encoded_images == 0

@@ -36,6 +36,12 @@ def _canonical(value: Any) -> Any:
                      "pass str, int, float, bool, None, lists or dicts")
 
 
+def encoder_output_width(model: Any) -> int:
+    """Floats per image token in an encoder output: the LM hidden size, wider where the family keeps more
+    (DeepStack features beside the input embedding)."""
+    return getattr(model, "encoder_output_width", model.config.text_config.hidden_size)
+
+
 def make_key(pixel_hash: str, model_id: str, processor_settings: Mapping[str, Any], salt: str | None = None) -> str:
     """Exact encoder-cache key: canonical pixel hash + model id + processor settings (+ the request's cache salt).
 

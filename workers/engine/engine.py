@@ -35,6 +35,7 @@ from vlmq.workers.models.processor import load_processor
 from .config import EngineConfig
 from .cuda_profile import profiled_kv_bytes
 from .device_defaults import default_block_size, default_dtype, flash_attn_installed
+from .encoder_cache import encoder_output_width
 from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .kv_budget import kv_cache_num_blocks
 from .kv_tiers import KVTiers
@@ -136,9 +137,7 @@ class Engine:
         model_dir, device = Path(model_dir), torch.device(device)
         dtype = default_dtype(device.type, dtype)  # float32 on CPU, bfloat16 on CUDA (device_defaults.py)
         model = load_model(model_dir, device, dtype)
-        # an image token's encoder output: the LM hidden size, wider where the family keeps more (DeepStack)
-        width = getattr(model, "encoder_output_width", model.config.text_config.hidden_size)
-        config.setdefault("encoder_bytes_per_token", width * torch.finfo(dtype).bits // 8)
+        config.setdefault("encoder_bytes_per_token", encoder_output_width(model) * torch.finfo(dtype).bits // 8)
         processor = load_processor(model_dir)
         # the largest image the processor can produce must fit one step's encoder budget, or it is refused
         config.setdefault("max_num_encoder_patches", max(EngineConfig().max_num_encoder_patches,

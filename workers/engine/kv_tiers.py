@@ -23,6 +23,7 @@ from vlmq.workers.kvstore.format import Expected
 from vlmq.workers.kvstore.store import CHAIN_FETCHES, KVStore
 
 from .block_hash import seq_block_hashes
+from .encoder_cache import encoder_output_width
 from .intake import Prepared
 
 GRACE_S = 0.05  # added to every deadline: host and disk lookups cost a little even when recompute is free
@@ -115,7 +116,7 @@ class KVTiers:
         p = _Parked(prepared, now)
         missing = [img for img in seq.images if img.content_hash not in self.cache]
         for img in missing:
-            shape = (img.num_tokens, self.runner.model.config.text_config.hidden_size)
+            shape = (img.num_tokens, encoder_output_width(self.runner.model))
             recompute = self.encode_rate.seconds(img.num_patches)
             use_archive = self._worth_fetching(shape, recompute, 1)
             p.enc[img.content_hash] = self.store.fetch("enc", img.content_hash, self._expect("enc", img.content_hash,
@@ -170,11 +171,11 @@ class KVTiers:
         self.counts["archive_fetches" if use else "fetch_skipped"] += 1
         return use
 
-    def ready(self, force: bool = False) -> list[tuple[str, Prepared]]:
+    def ready(self) -> list[tuple[str, Prepared]]:
         """Parked requests whose lookups are done or past their deadline, with what was found installed."""
         now, out = time.perf_counter(), []
         for request_id, p in list(self.parked.items()):
-            if force or p.done() or now >= p.deadline:
+            if p.done() or now >= p.deadline:
                 del self.parked[request_id]
                 self.counts["fetch_late"] += not p.done()
                 self._install(p)

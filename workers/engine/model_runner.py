@@ -28,7 +28,7 @@ from .cuda_graphs import DecodeGraphs
 from .encoder_cache import EncoderCache
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .sequence import SeqId, Sequence
-from .spec_decode import verify, verify_seeded
+from .spec_decode import verify, verify_greedy, verify_seeded
 
 
 @dataclass(slots=True)
@@ -90,11 +90,14 @@ class ModelRunner:
         rows = [r for s, end in sampled for r in range(end - 1 - s.num_spec_tokens, end)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()  # [R, vocab]
         result, draft_probs = RunnerOutput(), draft_probs or {}
-        row = 0
-        for s, _ in sampled:
+        # every greedy row's pick in one call (one device sync per step, not one per sequence)
+        picks = logits.argmax(-1).tolist() if any(s.seq.sampling.temperature == 0 for s, _ in sampled) else []
+        starts = list(accumulate((1 + s.num_spec_tokens for s, _ in sampled), initial=0))
+        drawn = self._draw_unseeded(logits, [(s, r) for (s, _), r in zip(sampled, starts, strict=False)])
+        for (s, _), row in zip(sampled, starts, strict=False):
             n = 1 + s.num_spec_tokens
-            new = self._sample(logits[row:row + n], s, draft_probs.get(s.seq_id))
-            row += n
+            new = [drawn[s.seq_id]] if s.seq_id in drawn else \
+                self._sample(logits[row:row + n], picks[row:row + n], s, draft_probs.get(s.seq_id))
             result.sampled_token_ids[s.seq_id] = new[0]
             if len(new) > 1:
                 result.more_token_ids[s.seq_id] = new[1:]
@@ -186,12 +189,25 @@ class ModelRunner:
             [s.block_table for s in scheduled], self.config.block_size, self.device,
             slot_mapping=[slot for s in scheduled for slot in s.slot_mapping])
 
-    def _sample(self, logits: torch.Tensor, s: ScheduledSeq, draft_probs: torch.Tensor | None) -> list[int]:
-        # logits: [1 + k, vocab] float32 at the last token and each of the k proposals -> 1 to k + 1 tokens
+    def _draw_unseeded(self, logits: torch.Tensor, sampled: list[tuple[ScheduledSeq, int]]) -> dict[SeqId, int]:
+        # unseeded sampled rows without proposals, from one shared stream: one batched draw for all of them
+        plain = [(s, row) for s, row in sampled
+                 if s.seq.sampling.temperature > 0 and s.seq.sampling.seed is None and not s.num_spec_tokens]
+        if not plain:
+            return {}
+        rows = torch.tensor([row for _, row in plain], device=logits.device)
+        t = torch.tensor([s.seq.sampling.temperature for s, _ in plain], device=logits.device)[:, None]
+        drawn = torch.multinomial(torch.softmax(logits[rows] / t, dim=-1), 1, generator=self.generator)[:, 0]
+        return dict(zip((s.seq_id for s, _ in plain), drawn.tolist(), strict=True))
+
+    def _sample(self, logits: torch.Tensor, picks: list[int], s: ScheduledSeq,
+                draft_probs: torch.Tensor | None) -> list[int]:
+        # logits: [1 + k, vocab] float32 at the last token and each of the k proposals -> 1 to k + 1 tokens;
+        # picks: their argmaxes where the request is greedy
         proposal = s.token_ids[len(s.token_ids) - s.num_spec_tokens:]
         sampling = s.seq.sampling
-        if sampling.temperature == 0 and not proposal:
-            return [int(logits[0].argmax())]
+        if sampling.temperature == 0:
+            return verify_greedy(picks, proposal)
         if sampling.seed is not None and sampling.temperature > 0:  # one answer per seed, speculated or not
             return verify_seeded(logits, proposal, sampling.temperature, sampling.seed, s.seq.num_completion_tokens)
         if draft_probs is not None:

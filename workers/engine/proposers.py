@@ -159,11 +159,10 @@ class DraftProposer(Proposer):
 
     def _forward(self, seqs: list[Sequence], live: list[int], chunks: dict[int, list[int]]):
         states = [self.state[seqs[i].seq_id] for i in live]
-        ids, positions, slots, inputs = [], [], [], []
+        ids, positions, slots = [], [], []
         for i, st in zip(live, states, strict=True):
             n, start = len(chunks[i]), st.num_computed_tokens
             self.blocks.append_slots(st, n)
-            inputs.append(self._inputs(st, chunks[i]))
             ids += chunks[i]
             positions += range(start, start + n)
             slots += slot_mapping(st.block_table, self.block_size, start, start + n)
@@ -171,18 +170,12 @@ class DraftProposer(Proposer):
             st.num_computed_tokens += n
         meta = AttentionMetadata.build([len(chunks[i]) for i in live], [st.num_computed_tokens for st in states],
                                        [st.block_table for st in states], self.block_size, self.device, slots)
-        hidden = self._layers(torch.cat(inputs), torch.tensor(positions, device=self.device), meta)
+        lm = self.model.language_model
+        x = lm.embed_tokens(torch.tensor(ids, device=self.device))  # [T, H]
+        hidden = lm(x, torch.tensor(positions, device=self.device), meta, self.kv_caches)
         last = hidden[meta.cu_query_lens[1:].to(self.device).long() - 1]  # [S, H]
-        return self._choose(self._logits(last), [seqs[i].sampling.temperature for i in live])
-
-    def _inputs(self, st: DraftState, tokens: list[int]) -> torch.Tensor:
-        return self.model.language_model.embed_tokens(torch.tensor(tokens, device=self.device))  # [n, H]
-
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.language_model(x, positions, meta, self.kv_caches)
-
-    def _logits(self, last: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(last).float()  # [S, vocab]
+        logits = self.model.compute_logits(last).float()  # [S, vocab]
+        return self._choose(logits, [seqs[i].sampling.temperature for i in live])
 
     def _choose(self, logits: torch.Tensor, temps: list[float]) -> tuple[list[int], list[torch.Tensor | None]]:
         # greedy requests take the proposer's argmax; sampled ones draw from it at their temperature

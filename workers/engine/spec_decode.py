@@ -46,11 +46,7 @@ def verify(logits: torch.Tensor, proposal: list[int], draft_probs: torch.Tensor 
     """
     k = len(proposal)
     if temperature == 0:
-        target = logits.argmax(-1).tolist()  # [k + 1]
-        n = 0
-        while n < k and proposal[n] == target[n]:
-            n += 1
-        return target[:n + 1]
+        return verify_greedy(logits.argmax(-1).tolist(), proposal)
     p = torch.softmax(logits / temperature, dim=-1)  # [k + 1, vocab]
     if k:
         x = torch.tensor(proposal, device=p.device)
@@ -62,6 +58,15 @@ def verify(logits: torch.Tensor, proposal: list[int], draft_probs: torch.Tensor 
         if n < k:
             return proposal[:n] + [_draw(_residual(p[n], draft_probs, n, proposal[n]), generator)]
     return proposal + [_draw(p[k], generator)]
+
+
+def verify_greedy(target: list[int], proposal: list[int]) -> list[int]:
+    """A greedy request's tokens from the target's argmaxes after x0 .. xk ([k + 1]): the proposals up to the first
+    that differs from the target's pick, then the target's pick there (or after the last)."""
+    n = 0
+    while n < len(proposal) and proposal[n] == target[n]:
+        n += 1
+    return target[:n + 1]
 
 
 def verify_seeded(logits: torch.Tensor, proposal: list[int], temperature: float, seed: int,
