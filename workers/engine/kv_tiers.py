@@ -26,8 +26,6 @@ from .block_hash import seq_block_hashes
 from .encoder_cache import encoder_output_width
 from .intake import Prepared
 
-GRACE_S = 0.05  # added to every deadline: host and disk lookups cost a little even when recompute is free
-
 
 @dataclass(slots=True)
 class _Parked:
@@ -150,7 +148,7 @@ class KVTiers:
     def _deadline(self, now: float, recompute_s: float | None, shape: tuple[int, ...], num_objects: int) -> float:
         # Twice the recompute estimate; before this worker has measured its rates, twice the fetch estimate + 1 s.
         if recompute_s is not None:
-            return now + 2 * recompute_s + GRACE_S
+            return now + 2 * recompute_s + self.store.config.wait_grace_s
         return now + 2 * self._fetch_seconds(shape, num_objects) + 1.0
 
     def _fetch_seconds(self, shape: tuple[int, ...], num_objects: int) -> float:

@@ -43,11 +43,14 @@ class KVStoreConfig:
     quant: str = ""  # archive encoding: "" (lossless, the cache dtype), "int8" or "fp8"
     max_pending_bytes: int = 256 << 20  # tensors waiting for the store's threads
     always_fetch: bool = False  # benchmarks: fetch from the archive without weighing it against recomputing
+    # a request waits for its lookups twice the recompute estimate plus this (host and disk lookups cost a little
+    # even when recomputing is free); more trades first-token latency for reuse on a loaded machine
+    wait_grace_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.quant not in QUANTS:
             raise ValueError(f"KV archive quantisation must be one of {sorted(QUANTS)}, got {self.quant!r}")
-        for name in ("host_bytes", "disk_bytes", "archive_bytes", "max_pending_bytes"):
+        for name in ("host_bytes", "disk_bytes", "archive_bytes", "max_pending_bytes", "wait_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KVStoreConfig.{name} must be >= 0")
 
