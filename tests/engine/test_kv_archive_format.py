@@ -118,6 +118,21 @@ def test_demoted_items_flow_host_disk_archive_within_their_budgets(tmp_path) -> 
         store.close()
 
 
+def test_a_demoted_block_sliced_from_a_batch_holds_only_its_own_bytes() -> None:
+    # The engine copies evicted blocks out as one [layers, 2, n, block, heads, dim] tensor and demotes block i as
+    # a view of it: a view kept as is would keep all n blocks alive while the host tier counted one.
+    batch = torch.randn(3, 2, 16, 4, 2, 8)
+    store = KVStore(MODEL, KVStoreConfig(host_bytes=1 << 20))
+    try:
+        store.demote("prefix", "b0", batch[:, :, 0])
+        store.flush()
+        held = store.host.items[("prefix", "b0")]
+        assert torch.equal(held, batch[:, :, 0])
+        assert held.untyped_storage().nbytes() == held.nbytes == store.stats()["host_used_bytes"]
+    finally:
+        store.close()
+
+
 def test_fetch_time_model_learns_latency_and_bandwidth() -> None:
     rate = RateModel()
     for nbytes in (1_000, 1_000_000, 4_000_000, 10_000):

@@ -193,7 +193,7 @@ class KVTiers:
         for img in seq.images:
             f = p.enc.get(img.content_hash)
             if f is not None and f.done() and (t := f.result()) is not None:
-                value = t.to(self.runner.device, self.dtype)
+                value = t.to(self.runner.device, self.dtype, non_blocking=True)  # async from pinned host memory
                 nbytes = img.num_tokens * self.scheduler.config.encoder_bytes_per_token
                 if self.cache.insert(img.content_hash, value, nbytes):
                     self.counts["restored_images"] += 1
@@ -204,7 +204,7 @@ class KVTiers:
             if block_id is None:
                 break
             self.before_execute()  # the install may have evicted a cached block: copy it out first
-            write_block(self.runner.kv_caches, block_id, kv.to(self.runner.device, self.dtype))
+            write_block(self.runner.kv_caches, block_id, kv.to(self.runner.device, self.dtype, non_blocking=True))
             self.counts["restored_blocks"] += 1
 
 

@@ -21,6 +21,7 @@ from itertools import accumulate
 
 import torch
 
+from vlmq.workers.kvstore.store import compact
 from vlmq.workers.layers.attention import AttentionMetadata
 
 from .config import EngineConfig
@@ -156,7 +157,7 @@ class ModelRunner:
         embeds = self.model.encode_images(pixel_values, grid_thw)  # N x [n_i, hidden]
         for enc, emb in zip(out.encoder_inputs, embeds, strict=True):
             assert emb.shape[0] == enc.num_tokens, (emb.shape, enc)
-            self.encoder_cache.put(enc.key, emb)
+            self.encoder_cache.put(enc.key, compact(emb))  # its own memory, not a slice of the packed output
         self.num_encoded_images += len(embeds)
         self.num_encoder_calls += 1
 

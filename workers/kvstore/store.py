@@ -9,6 +9,10 @@ slow store never holds more than that much memory, and nothing the step loop doe
     archive: engine -> archive (encoder outputs: the item the fleet most reuses, written once when computed)
     fetch:   host -> disk -> archive (only if the caller chose fetching over recomputing); a hit lands in host
 
+On CUDA, `demote` and `archive` start the device-to-host copy into pinned memory and return (`to_host_async`); the
+store's thread waits for the copy, not the step loop. The host tier's tensors are pinned, so the engine's restore
+from host memory is an asynchronous copy too.
+
 An archive object that fails verification is deleted (objects are written once: a bad one would otherwise keep
 the good one out forever), except one of a newer format version, which this worker merely cannot read.
 """
@@ -18,6 +22,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -142,10 +147,13 @@ class KVStore:
                 self.counts["dropped_transfers"] += 1
                 return
             self.counts["pending_bytes"] += tensor.nbytes
-        self._io.submit(self._guarded, fn, item, tensor, pending=tensor.nbytes)
+        host, landed = to_host_async(tensor)
+        self._io.submit(self._guarded, fn, item, host, pending=tensor.nbytes, landed=landed)
 
-    def _guarded(self, fn, *args, pending: int = 0):
+    def _guarded(self, fn, *args, pending: int = 0, landed: Callable[[], None] | None = None):
         try:
+            if landed is not None:
+                landed()  # the device-to-host copy started by _submit has finished
             return fn(*args)
         except Exception:  # a failed store costs a recompute, never a request
             log.warning("KV store transfer %s failed", fn.__name__, exc_info=True)
@@ -158,7 +166,7 @@ class KVStore:
                     self.counts["pending_bytes"] -= pending
 
     def _demote(self, item: ItemKey, tensor: torch.Tensor) -> None:
-        self._to_host(item, tensor.to("cpu"))
+        self._to_host(item, tensor)
 
     def _to_host(self, item: ItemKey, tensor: torch.Tensor) -> None:
         with self._lock:
@@ -253,3 +261,25 @@ def stats_dict(host: HostTier | None, disk: DiskTier | None, archive: ArchiveTie
 
 def empty_stats() -> dict[str, int]:
     return stats_dict(None, None, None, dict.fromkeys(COUNTS, 0))
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when it is a view of a bigger tensor: a cache that counts `t.nbytes` must not keep the
+    rest alive (an image's encoder output sliced from its step's packed output; a block from a batch of blocks)."""
+    return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
+
+
+def to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A host copy of `t` for the store's threads, started without waiting: (copy, landed).
+
+    A CUDA tensor is copied into pinned memory on the current stream (non-blocking: the step loop does not wait);
+    `landed()` blocks until the copy has finished, and must be called before the copy is read. A CPU tensor is kept
+    as it is (landed None), or compacted: the host tier's byte bound counts what it holds.
+    """
+    if not t.is_cuda:
+        return compact(t), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done.synchronize
