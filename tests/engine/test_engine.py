@@ -225,6 +225,9 @@ def test_backend_recovers_from_a_failed_step(model_dir, workload, reference, mon
     # Fault injection (nothing real makes a model call raise on demand): the model runner fails once mid-batch.
     # The backend must serve every job on a fresh engine, one by one, and keep serving afterwards.
     backend = EngineBackend(str(model_dir), "cpu", num_blocks=512)
+    (img0, q0), (img1, q1), (img2, q2) = workload[:3]
+    backend.generate([GenRequest("warm", img2, q2, 4)])
+    before = backend.cache_stats()
     failed = []
     real_execute = backend.engine.runner.execute
 
@@ -236,10 +239,13 @@ def test_backend_recovers_from_a_failed_step(model_dir, workload, reference, mon
 
     monkeypatch.setattr(backend.engine.runner, "execute", execute_once_failing)
     old = backend.engine
-    (img0, q0), (img1, q1) = workload[:2]
     a, b = backend.generate([GenRequest("a", img0, q0, MAX_NEW), GenRequest("b", img1, q1, MAX_NEW)])
     assert failed and backend.engine is not old  # the failure happened and the engine was replaced
     assert a.token_ids == reference[(id(img0), q0)] and b.token_ids == reference[(id(img1), q1)]
+    # the worker's published cache counters keep counting across the replacement (vlmq cache, vlmq top)
+    after = backend.cache_stats()
+    assert after["encoded_images"] == before["encoded_images"] + 2
+    assert after["prefix_cache_query_tokens"] > before["prefix_cache_query_tokens"]
     backend.close()
 
 

@@ -37,6 +37,7 @@ class EngineBackend(StreamingBackend):
         self._aborted: set[str] = set()
         self._num_steps = 0
         self._logged_tiers = ""
+        self._retired: dict[str, int] = {}  # counters of the engines that failed and were replaced
 
     def start(self, request: GenRequest) -> str:
         handle = self.engine.add_request(engine_request(request))
@@ -78,13 +79,7 @@ class EngineBackend(StreamingBackend):
     def cache_stats(self) -> dict[str, int]:
         """This worker's cache counters, flat: the engine's caches, then `tier_*` (fetch-or-recompute decisions
         and restores) and the store's `host_*`, `disk_*`, `archive_*` counters (zeros without a store)."""
-        st = self.engine.stats
-        out = {"encoder_cache_hits": st.encoder_cache_hits, "encoder_cache_misses": st.encoder_cache_misses,
-               "encoded_images": st.num_encoded_images, "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens,
-               "prefix_cache_query_tokens": st.prefix_cache_query_tokens}
-        tiers = self.engine.tiers
-        for name in ("restored_images", "restored_blocks", "fetch_late", "fetch_skipped", "archive_fetches"):
-            out[f"tier_{name}"] = tiers.counts[name] if tiers is not None else 0
+        out = {k: v + self._retired.get(k, 0) for k, v in _engine_counters(self.engine).items()}
         out.update(self.kv_store.stats() if self.kv_store is not None else empty_stats())
         # what the affinity reporter needs to model this worker's encoder cache
         cfg = self.engine.config
@@ -106,8 +101,21 @@ class EngineBackend(StreamingBackend):
             return e
 
     def _reset(self) -> None:
+        for k, v in _engine_counters(self.engine).items():  # counted up to here: the totals stay monotonic
+            self._retired[k] = self._retired.get(k, 0) + v
         self.engine = self.engine.fresh()
         self._aborted.clear()
+
+
+def _engine_counters(engine: Engine) -> dict[str, int]:
+    # the counters that live in an engine (a fresh engine after a failed step starts them at zero)
+    st = engine.stats
+    out = {"encoder_cache_hits": st.encoder_cache_hits, "encoder_cache_misses": st.encoder_cache_misses,
+           "encoded_images": st.num_encoded_images, "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens,
+           "prefix_cache_query_tokens": st.prefix_cache_query_tokens}
+    for name in ("restored_images", "restored_blocks", "fetch_late", "fetch_skipped", "archive_fetches"):
+        out[f"tier_{name}"] = engine.tiers.counts[name] if engine.tiers is not None else 0
+    return out
 
 
 # The SDK's priority levels (0 highest .. 9) in the scheduler's units: its priority is also "lower runs first", but
