@@ -82,12 +82,15 @@ def bare(tmp_path) -> tuple[Path, Path]:
     """A copy of the tree and a Python that has this one's packages but not vlmq: a venv whose .pth lists this
     interpreter's site-packages as plain paths (their own .pth files, vlmq's editable hook among them, stay off)."""
     tree = tmp_path / "tree"
-    files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, files):
-        if (ROOT / name).is_file():
-            (tree / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, tree / name)
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
+                            capture_output=True)
+    if listed.returncode:  # not a git checkout (a copied tree): everything but build outputs
+        shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns("*.so", "__pycache__", "build", "*.egg-info"))
+    else:
+        for name in filter(None, listed.stdout.decode().split("\0")):
+            if (ROOT / name).is_file():
+                (tree / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, tree / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
