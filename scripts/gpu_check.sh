@@ -35,15 +35,17 @@
 #                               ~0.5-1 s there), float64 references on the GPU; cap 60 s
 #   kernels             ~40 s   6 cascade + 12 decode rows, each a CUDA graph capture + 20 timed replays; the
 #                               largest decode cell is 4.3 GB of KV (batch 128 x 16k tokens); cap 75 s
-#   engine-tests        ~90 s   transformers: 2 dtypes x 148 prompts one at a time, ~9 new tokens each (181 in 20
-#                               prompts on CPU) = ~2,700 generate steps at ~6-8 ms (launch-bound 4-layer model)
-#                               ~25 s; the engine: 7 runs, each a load, 11 CUDA graph buckets captured (4 of the
-#                               runs) and ~40 steps for 148 requests, ~5-8 s each; cap 150 s
-#   engine              ~220 s  2B then 7B random-weight shapes: build and save (4.4 / 16.6 GB), load twice, graph
-#                               capture, mixed captions (48 requests vs 3 transformers batch sizes), then 4
-#                               resolutions x batches 1/8/64 (engine and transformers generate, 32 new tokens);
-#                               the 2B part (~100 s) holds the issue's targets; cap 300 s or what is left
-#   total               ~405 s of the 560 s budget; worst case (every step at its cap) 560 s, the 7B rows cut.
+#   engine-tests        ~90 s   transformers: 2 dtypes x 148 prompts one at a time, 6.7 new tokens each (992 over
+#                               the 148, counted on CPU) = ~2,300 forward steps at ~8 ms (launch-bound 4-layer
+#                               model) ~20-25 s; the engine: 7 runs, each a load, up to 11 CUDA graph buckets
+#                               captured on first use (4 of the runs) and 34 steps for the 148 requests (counted
+#                               on CPU), ~4-6 s each; first Triton compiles ~10 s; cap 150 s
+#   engine              ~250 s  2B (~105 s): build and save 4.4 GB, load twice, warm-up (graph capture, Triton),
+#                               mixed captions (engine; transformers at batch 8/16/32 over 48 requests of 9-64
+#                               tokens, ~25 ms per generate step) ~30 s, then 4 resolutions x batches 1/8/64 with
+#                               32 new tokens each side ~40 s; 7B (~145 s) the same with 16.6 GB and slower steps;
+#                               the 2B part holds the issue's targets; cap 300 s or what is left
+#   total               ~435 s of the 560 s budget; worst case (every step at its cap) 560 s, the 7B rows cut.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
