@@ -61,6 +61,8 @@ case ${1:-} in
   *) echo "usage: $0 [--dry-run | --setup-only]"; exit 64 ;;
 esac
 START=$(date +%s)
+# no network there: nothing may wait on a connection (every model and processor is read from a local folder)
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PIP_NO_INDEX=1
 PYTEST="$PY -m pytest -m gpu -v -p no:cacheprovider -W default"
 STEPS=(
   "kernel-tests|60|$PYTEST --timeout 50 tests/kernels --junitxml=$OUT/kernel-tests.xml"
