@@ -122,7 +122,10 @@ setup_vlmq() {  # prints how vlmq became importable: already, pip-editable, path
 
 preflight() {  # every step's imports, then versions and choices as one JSON object on the last line
   (cd "$ROOT/scripts" && "$PY" -c "import bench_engine_gpu, bench_kernels_gpu") || return 1
-  $PY -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/kernels tests/gpu | tail -1 || return 1
+  local collected
+  collected=$($PY -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/kernels tests/gpu 2>&1) \
+    || { echo "$collected"; return 1; }
+  echo "${collected##*$'\n'}"
   "$PY" - <<'EOF'
 import importlib.metadata as md, importlib.util, json, sys, torch
 from vlmq.workers.engine import resample
