@@ -114,19 +114,20 @@ EOF
 
 setup_vlmq() {  # prints how vlmq became importable: already, pip-editable, path-hook (or failed)
   if importable; then echo already; return; fi
-  [[ $SETUP_WITH != hook ]] && PIP_DISABLE_PIP_VERSION_CHECK=1 "$PY" -m pip install --no-deps --no-build-isolation \
-    --no-index --root-user-action=ignore -e "$ROOT" >&2 && importable && { echo pip-editable; return; }
+  [[ $SETUP_WITH != hook ]] && PIP_DISABLE_PIP_VERSION_CHECK=1 timeout 120 "$PY" -m pip install --no-deps \
+    --no-build-isolation --no-index --root-user-action=ignore -e "$ROOT" >&2 && importable \
+    && { echo pip-editable; return; }
   path_hook >&2 && importable && { echo path-hook; return; }
   echo failed
 }
 
 preflight() {  # every step's imports, then versions and choices as one JSON object on the last line
-  (cd "$ROOT/scripts" && "$PY" -c "import bench_engine_gpu, bench_kernels_gpu") || return 1
+  (cd "$ROOT/scripts" && timeout 60 "$PY" -c "import bench_engine_gpu, bench_kernels_gpu") || return 1
   local collected
-  collected=$($PY -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/kernels tests/gpu 2>&1) \
+  collected=$(timeout 60 $PY -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/kernels tests/gpu 2>&1) \
     || { echo "$collected"; return 1; }
   echo "${collected##*$'\n'}"
-  "$PY" - <<'EOF'
+  timeout 60 "$PY" - <<'EOF'
 import importlib.metadata as md, importlib.util, json, sys, torch
 from vlmq.workers.engine import resample
 from vlmq.workers.engine.device_defaults import default_block_size, flash_attn_installed
