@@ -9,8 +9,10 @@ same image size and exactly --max-new-tokens generated (eos ignored):
   time until the last first token), decode tokens/s (tokens after the first over the rest of the run), and the
   vision tower's share of the batch-1 TTFT (the encoder call timed alone, synchronised);
 - transformers `generate` on the same batch (static, left-padded), tokens/s, in the same process.
-Then mixed-resolution captions (bench_engine.mixed_captions): the engine against transformers' best static
-batch size. Weights are random (the shapes, not the answers, set the cost): model configs from `model_config`.
+Before the table, for --mixed-models: mixed-resolution captions (bench_engine.mixed_captions), the engine against
+transformers' best static batch size. Weights are random (the shapes, not the answers, set the cost): model
+configs from `model_config`. The JSON is rewritten after every measurement (a run stopped by a time limit keeps
+what it measured); each model's "complete" says whether it finished.
 """
 from __future__ import annotations
 
@@ -190,7 +192,8 @@ def bench_mixed(engine, hf, args, device) -> dict:
                 speedup_vs_best=eng["tok_s"] / best["tok_s"])
 
 
-def bench_model(name: str, args, device, dtype, tmp: Path) -> dict:
+def bench_model(name: str, args, device, dtype, tmp: Path, out: dict, save) -> None:
+    """Fills `out` (the model's part of the report), calling `save` after every measurement."""
     from transformers import AutoModelForImageTextToText
 
     model_dir = build_model_dir(name, tmp / name, device, dtype)
@@ -203,16 +206,20 @@ def bench_model(name: str, args, device, dtype, tmp: Path) -> dict:
     hf = (AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval(), processor)
     for batch in args.batches:  # warm-up, untimed: Triton compiles, each batch size's CUDA graph is captured
         engine.generate(requests_at((128, 96), batch, 4))
-    out = dict(config=SHAPES[name], block_size=engine.config.block_size, num_kv_blocks=engine.config.num_blocks,
-               resolutions=[bench_resolution(engine, hf, size, args, device) for size in args.resolutions])
-    if args.num_mixed and name in args.mixed_models:
+    out.update(config=SHAPES[name], block_size=engine.config.block_size, num_kv_blocks=engine.config.num_blocks,
+               resolutions=[], complete=False)
+    if args.num_mixed and name in args.mixed_models:  # first: the issue's engine-vs-transformers target
         out["mixed_captions"] = bench_mixed(engine, hf, args, device)
+        save()
+    for size in args.resolutions:
+        out["resolutions"].append(bench_resolution(engine, hf, size, args, device))
+        save()
+    out["complete"] = True
     engine.close()
     del engine, hf
     if device.type == "cuda":
         torch.cuda.empty_cache()
     shutil.rmtree(model_dir)
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -224,10 +231,15 @@ def main(argv: list[str] | None = None) -> dict:
     report = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", dry_run=args.dry_run,
                   dtype=str(dtype), max_new_tokens=args.max_new_tokens, torch=torch.__version__, models={})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every measurement: a run stopped by its time limit keeps its numbers
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            report["models"][name] = bench_model(name, args, device, dtype, Path(tmp))
-            Path(args.out).write_text(json.dumps(report, indent=2))  # a partial run keeps its numbers
+            report["models"][name] = {}
+            bench_model(name, args, device, dtype, Path(tmp), report["models"][name], save)
+            save()
             print_model(name, report["models"][name])
     print(f"\nwrote {args.out}")
     return report

@@ -6,7 +6,8 @@
 2. Shared-prefix (cascade) decode vs per-sequence paged decode for groups of 4, 16
    and 64 sequences sharing a 1000-4000 token prefix: speedup and max |difference|.
 
-Prints a table and writes JSON. ``--dry-run`` runs tiny shapes on the CPU (Triton
+Prints a table and writes JSON (rewritten after every row, so a run stopped early keeps what it measured;
+"complete" says whether it finished). ``--dry-run`` runs tiny shapes on the CPU (Triton
 interpreter when triton is installed, else the torch reference) to check the script.
 
     python scripts/bench_kernels_gpu.py                 # GPU, defaults: Qwen2-VL-7B heads
@@ -118,9 +119,11 @@ def paged_cache(tables_spec, args, dtype, device):
     return k_cache, v_cache, table
 
 
-def bench_decode(args, K, dtype, device, impl):
-    return [decode_row(args, K, dtype, device, impl, batch, ctx)
-            for batch in args.batch_sizes for ctx in args.context_lens]
+def bench_decode(args, K, dtype, device, impl, rows: list[dict], save) -> None:
+    for batch in args.batch_sizes:
+        for ctx in args.context_lens:
+            rows.append(decode_row(args, K, dtype, device, impl, batch, ctx))
+            save()
 
 
 def decode_row(args, K, dtype, device, impl, batch, ctx):
@@ -156,9 +159,13 @@ def sdpa_baseline(q, k_cache, v_cache, table, ctx, args):
     return lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=group > 1)
 
 
-def bench_cascade(args, K, dtype, device, impl):
-    return [cascade_row(args, K, dtype, device, impl, prefix, group)
-            for prefix in args.prefix_lens for group in args.group_sizes if group <= args.cascade_batch]
+def bench_cascade(args, K, dtype, device, impl, rows: list[dict], save) -> None:
+    # group 16 first: the target (cascade >= 3x per-sequence decode at group 16)
+    groups = sorted((g for g in args.group_sizes if g <= args.cascade_batch), key=lambda g: (g != 16, g))
+    for group in groups:
+        for prefix in args.prefix_lens:
+            rows.append(cascade_row(args, K, dtype, device, impl, prefix, group))
+            save()
 
 
 def cascade_row(args, K, dtype, device, impl, prefix, group):
@@ -221,14 +228,21 @@ def main(argv: list[str] | None = None) -> dict:
         dry_run=args.dry_run, impl=impl, peak_bw=args.peak_bw, dtype=args.dtype, num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, block_size=args.block_size,
         torch=torch.__version__, timing="CUDA graph replay, L2 flushed, median" if cuda_wanted else "perf_counter",
-        decode=bench_decode(args, K, dtype, device, impl),
-        cascade=bench_cascade(args, K, dtype, device, impl),
+        decode=[], cascade=[], complete=False,
     )
+
+    def save() -> None:  # after every row: a run stopped by its time limit keeps the rows it measured
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+    # cascade first: it is shorter, and the decode table's largest cells take the longest
+    bench_cascade(args, K, dtype, device, impl, result["cascade"], save)
+    print_table("shared-prefix (cascade) decode vs per-sequence decode", result["cascade"])
+    bench_decode(args, K, dtype, device, impl, result["decode"], save)
     print_table(f"paged decode ({args.dtype}, H={args.num_heads}/{args.num_kv_heads}, D={args.head_dim})",
                 result["decode"])
-    print_table("shared-prefix (cascade) decode vs per-sequence decode", result["cascade"])
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    result["complete"] = True
+    save()
     print(f"\nwrote {args.out}")
     return result
 

@@ -43,9 +43,29 @@ def test_dry_run_writes_the_per_resolution_table(bench, tmp_path):
     out = tmp_path / "gpu" / "engine.json"
     bench.main(["--dry-run", "--out", str(out)])
     report = json.loads(out.read_text())["models"]["tiny"]
+    assert report["complete"] is True
     assert [r["resolution"] for r in report["resolutions"]] == ["64x64", "112x84"]
     cell = report["resolutions"][0]["batches"]["2"]
     assert {"ttft_s", "prefill_tok_s", "decode_tok_s", "tok_s"} <= set(cell["engine"])
     assert cell["transformers"]["tok_s"] > 0 and cell["speedup"] > 0
     assert 0 < report["resolutions"][1]["vision_share_of_ttft"]
     assert report["mixed_captions"]["best_transformers_batch"] == 2
+
+
+@pytest.mark.slow
+def test_a_run_stopped_midway_keeps_the_mixed_captions_and_the_rows_it_measured(bench, tmp_path, monkeypatch):
+    # as when gpu_check.sh's time limit stops it: what was measured before is on disk
+    measured = bench.bench_resolution
+
+    def stop_at_the_second(engine, hf, size, args, device):
+        if size != args.resolutions[0]:
+            raise KeyboardInterrupt
+        return measured(engine, hf, size, args, device)
+
+    monkeypatch.setattr(bench, "bench_resolution", stop_at_the_second)
+    out = tmp_path / "engine.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--dry-run", "--out", str(out)])
+    report = json.loads(out.read_text())["models"]["tiny"]
+    assert report["complete"] is False and report["mixed_captions"]["engine"]["tok_s"] > 0
+    assert [r["resolution"] for r in report["resolutions"]] == ["64x64"]

@@ -132,7 +132,7 @@ def test_wrappers_reject_bad_arguments(bad):
 @gpu_test
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(28, 4, 128), (16, 2, 64)])
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", [16, 256])  # the engine's CUDA blocks: 16, and 256 with flash-attn
 def test_gpu_decode_and_cascade_large(dtype, num_heads, num_kv_heads, head_dim, block_size):
     # 64 sequences: 4 groups of 16 sharing 1000-3000 token prefixes; auto picks Triton on CUDA.
     prefix_lens = [1000, 2000, 3000, 1234]

@@ -11,6 +11,12 @@ file layout is used by real Qwen2-VL checkpoints. `InternVLImageProcessor` does 
 
 Each of them says how one image placeholder of the chat template expands (`image_span`): Qwen2-VL repeats
 `<|image_pad|>`, LLaVA-NeXT `<image>`; InternVL wraps its `<IMG_CONTEXT>` tokens in `<img>` ... `</img>`.
+
+The image processor is always the PIL one (`backend="pil"`, e.g. `Qwen2VLImageProcessorPil`): left to choose,
+transformers 5 takes the torchvision one wherever torchvision is installed (GPU machines), which resizes
+differently (pixel values up to about 0.03 apart after normalisation), while the engine's own preprocessing
+(engine/preprocess.py, engine/tiling.py) and the pricing are bit for bit PIL's. So the `hf` backend, the engine
+parity tests and the benchmarks see the same pixels as the engine on every machine.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import json
 import threading
 from pathlib import Path
 
-from transformers import AutoImageProcessor, AutoTokenizer
+from transformers import AutoTokenizer
+
+# from its module: transformers 5.17's top-level name is a placeholder that demands torchvision (5.24's is not)
+from transformers.models.auto.image_processing_auto import AutoImageProcessor
 from transformers.models.internvl.processing_internvl import InternVLProcessor
 from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
@@ -80,6 +89,8 @@ class LlavaNextImageProcessor(LlavaNextProcessor):
         return {}
 
 
+IMAGE_BACKEND = "pil"  # the image processor the engine's preprocessing equals (see the module docstring)
+
 # model_type -> image-only processor; Qwen2-VL's otherwise
 _PROCESSORS = {"internvl": InternVLImageProcessor, "llava_next": LlavaNextImageProcessor}
 
@@ -110,7 +121,9 @@ def load_processor(model_dir: str | Path) -> Qwen2VLImageProcessor | InternVLIma
     model_dir = Path(model_dir)
     config = model_dir / "config.json"  # a processor-only folder (tokenizer and image settings) is Qwen2-VL's
     model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+    image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True, backend=IMAGE_BACKEND)
+    if image_processor.backend != IMAGE_BACKEND:  # transformers falls back to another backend when one is missing
+        raise RuntimeError(f"{model_dir}: {type(image_processor).__name__} is not a {IMAGE_BACKEND} image processor")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     cls = _PROCESSORS.get(model_type, Qwen2VLImageProcessor)
     processor = cls(image_processor, tokenizer, chat_template=_chat_template(model_dir, tokenizer),
