@@ -42,7 +42,8 @@ except ImportError:  # pragma: no cover - depends on the install
     _kernels = None
 
 
-# layer calls per route since import ("cascade", "paged_decode", "flash", "torch"): tests and benchmarks read it
+# layer calls per route since import ("cascade", "paged_decode", "flash", "torch"), counted when this Python code
+# runs (a CUDA graph replay does not run it): tests and benchmarks read it
 route_counts: Counter[str] = Counter()
 
 
