@@ -74,7 +74,10 @@ def cuda_capture(step: Step, device: torch.device, pool: object) -> tuple[Callab
         step()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: the KV store's I/O thread copies archived / demoted KV to the host (a synchronous copy) at any
+    # time, e.g. just after an image's prefill, when the first decode captures; "global" (the default) would fail
+    # both that copy and the capture. The capturing thread itself is held to the same rules either way.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = step()
     return graph.replay, out, graph.pool()
 
