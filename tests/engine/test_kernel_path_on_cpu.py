@@ -6,11 +6,14 @@ What only a GPU can check (real graph capture, bf16 kernels, flash-attn) is in t
 """
 from __future__ import annotations
 
+import importlib
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from tiny.shapes import make_example, questions
 
 from vlmq.workers.engine.cuda_graphs import DecodeGraphs, eager_capture
@@ -95,3 +98,19 @@ def test_the_torch_backend_never_takes_the_kernels_and_has_no_graphs(model_dir, 
     tokens, engine = generate(model_dir, requests[:2], graphs=True, attention_backend="torch")
     assert tokens == expected[:2] and engine.runner.decode_graphs is None
     assert set(attention.route_counts - before) == {"torch"}
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "internvl", "llava_next"])
+def test_other_families_through_the_kernels_and_decode_graphs(tmp_path, family):
+    """DeepStack inputs (Qwen3-VL) and 1-D positions (InternVL, LLaVA-NeXT: a [1, B] position buffer) on the same
+    path, on tiny random-weight models."""
+    module = importlib.import_module(f"tiny.{family}")
+    build = getattr(module, "build", None) or getattr(module, f"build_{family}")
+    model_dir = build(tmp_path)
+    images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8))
+              for i, size in enumerate([(200, 180, 3), (60, 90, 3)])]
+    requests = [Request(images[0], q, 5, ignore_eos=True) for q in ("what is it?", "what colour?", "where?")]
+    requests.append(Request(images[1], "hi?", 8, ignore_eos=True))
+    expected, _ = generate(model_dir, requests)
+    tokens, engine = generate(model_dir, requests, graphs=True, attention_backend="kernels", cuda_graph_max_seqs=2)
+    assert tokens == expected and engine.runner.decode_graphs.num_replays > 0
