@@ -82,3 +82,17 @@ def test_the_route_is_built_once_per_step():
     assert route is not None and route_for(meta) is route
     plain = AttentionMetadata.build([1, 1], *decode_step({}, [3, 3])[::-1], BS)
     assert route_for(plain) is None and plain.cascade is False
+
+
+def test_routing_reads_the_host_block_tables_not_the_device():
+    """AttentionMetadata.build keeps the host lists: routing a step (DecodeGraphs.run does it before every replay)
+    needs no device-to-host copy. Block tables on the meta device hold no data to read back."""
+    prefix = list(range(40))
+    tables, ctx = decode_step({0: prefix, 2: prefix}, [1, 2, 1])
+    meta = AttentionMetadata.build([1] * 3, ctx, tables, BS)
+    assert meta.host_block_tables == tables
+    expected = route_for(AttentionMetadata.build([1] * 3, ctx, tables, BS))
+    meta.block_tables = meta.block_tables.to("meta")
+    route = route_for(meta)
+    assert route.block_tables.is_meta and route.order.shape == (3,)  # built on the device, from host lists
+    assert route.plan == expected.plan and expected.order.tolist() == [0, 2, 1]

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the decode attention route (layers/attention.py): "auto" = our Triton kernels on CUDA, torch elsewhere; "kernels" =
+# the kernels on any device (on CPU through the Triton interpreter, TRITON_INTERPRET=1: tests of the CUDA path's
+# wiring); "torch" = never the kernels (and no CUDA graphs, which capture the kernel path)
+ATTENTION_BACKENDS = ("auto", "kernels", "torch")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -22,6 +27,7 @@ class EngineConfig:
     encoder_bytes_per_token: int = 3584 * 2  # hidden size × dtype size (Qwen2-VL-7B, bf16)
     # CUDA only: decode steps of up to this many sequences replay a captured CUDA graph (cuda_graphs.py); 0 = off
     cuda_graph_max_seqs: int = 64
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -31,6 +37,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.cuda_graph_max_seqs, int) or self.cuda_graph_max_seqs < 0:
             raise ValueError(f"EngineConfig.cuda_graph_max_seqs must be an int >= 0, got {self.cuda_graph_max_seqs!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"EngineConfig.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.encoder_cache_bytes < 0:
             raise ValueError(f"EngineConfig.encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes}")
         if not self.aging_rate >= 0:  # also rejects NaN

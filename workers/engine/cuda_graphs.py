@@ -7,11 +7,15 @@ fixed width (the longest sequence the cache can hold), and the captured kernel i
 Steps with a prefill chunk, with a cascade group (cascade_route.py), wider than the buckets, or with extra LM
 inputs (DeepStack) run eagerly. `EngineConfig.cuda_graph_max_seqs = 0` turns graphs off.
 
-The bucket and padding logic is pure and tested on CPU; `DecodeGraphs` (capture and replay) runs on CUDA only and
-has not run on a GPU yet: scripts/gpu_check.sh runs the engine parity tests with graphs on and off.
+The bucket and padding logic is pure and tested on CPU. Capture and replay go through a `capture` function (default
+`cuda_capture`: warm-up on a side stream, then a CUDA graph); CPU tests pass `eager_capture`, which runs the step
+again from the static buffers at each replay, so `DecodeGraphs.run` (buckets, refills, reuse, eager fallbacks) runs
+end to end on CPU with the kernel path (attention_backend="kernels"). The real capture has not run on a GPU yet:
+scripts/gpu_check.sh runs the engine parity tests with graphs on and off.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,28 +61,64 @@ def pad_decode_batch(x: torch.Tensor, positions: torch.Tensor, meta: AttentionMe
                        tables, cu, slots)
 
 
+# capture(step, device, pool) -> (replay, out, pool): record `step` (which reads and writes only static buffers),
+# return a function that re-runs it, its static output and the memory pool for the next capture
+Step = Callable[[], torch.Tensor]
+Capture = Callable[[Step, torch.device, object], tuple[Callable[[], object], torch.Tensor, object]]
+
+
+def cuda_capture(step: Step, device: torch.device, pool: object) -> tuple[Callable[[], object], torch.Tensor, object]:
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up outside the graph: Triton compiles, allocator settles
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the KV store's I/O thread copies archived / demoted KV to the host (a synchronous copy) at any
+    # time, e.g. just after an image's prefill, when the first decode captures; "global" (the default) would fail
+    # both that copy and the capture. The capturing thread itself is held to the same rules either way.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = step()
+    return graph.replay, out, graph.pool()
+
+
+def eager_capture(step: Step, device: torch.device, pool: object) -> tuple[Callable[[], object], torch.Tensor, object]:
+    """A stand-in for CPU tests: replay recomputes the step from the static inputs into the same static output."""
+    out = step()
+    return lambda: out.copy_(step()), out, pool
+
+
 @dataclass(slots=True)
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], object]
     inputs: DecodeBatch  # static buffers, refilled before each replay
     out: torch.Tensor  # [B, hidden] static output
 
 
 class DecodeGraphs:
-    """Capture-once, replay-padded decode graphs of `model.language_model` (CUDA only)."""
+    """Capture-once, replay-padded decode graphs of `model.language_model` (CUDA; on CPU with eager_capture)."""
 
-    def __init__(self, model, kv_caches, block_size: int, max_context_len: int, sizes: tuple[int, ...]) -> None:
+    def __init__(self, model, kv_caches, block_size: int, max_context_len: int, sizes: tuple[int, ...],
+                 backend: str = "auto", capture: Capture = cuda_capture) -> None:
         self.lm, self.kv_caches, self.block_size, self.sizes = model.language_model, kv_caches, block_size, sizes
         self.max_blocks = -(-max_context_len // block_size)
+        self.backend, self.capture = backend, capture  # the captured step must take the kernel path
         self.graphs: dict[int, _Graph] = {}
         self.pool = None  # one memory pool shared by every bucket's graph
+        self.num_replays = 0
 
     @classmethod
-    def for_runner(cls, model, config, kv_caches, device: torch.device) -> DecodeGraphs | None:
-        if device.type != "cuda" or not config.cuda_graph_max_seqs:
+    def for_runner(cls, model, config, kv_caches, device: torch.device,
+                   capture: Capture | None = None) -> DecodeGraphs | None:
+        """Graphs for a runner: on CUDA, or with an explicit `capture`; never with the torch backend (its plan is
+        built from host lists, which a replay cannot refill)."""
+        if (capture is None and device.type != "cuda") or not config.cuda_graph_max_seqs:
+            return None
+        if config.attention_backend == "torch":
             return None
         max_len = min(model.config.text_config.max_position_embeddings, config.max_num_kv_tokens)
-        return cls(model, kv_caches, config.block_size, max_len, graph_batch_sizes(config.cuda_graph_max_seqs))
+        return cls(model, kv_caches, config.block_size, max_len, graph_batch_sizes(config.cuda_graph_max_seqs),
+                   config.attention_backend, capture or cuda_capture)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Hidden states [S, hidden] from a graph replay, or None when this step runs eagerly."""
@@ -90,8 +130,11 @@ class DecodeGraphs:
         padded = pad_decode_batch(x, positions, meta, bucket, self.max_blocks)
         for name in DecodeBatch.__slots__:
             getattr(graph.inputs, name).copy_(getattr(padded, name), non_blocking=True)
-        graph.graph.replay()
-        return graph.out[:len(meta.query_lens)]
+        graph.replay()
+        self.num_replays += 1
+        # a copy: the static output is overwritten by the next replay, and callers keep the hidden states
+        # (ModelRunner.last_hidden, a proposer's features)
+        return graph.out[:len(meta.query_lens)].clone()
 
     def _capture(self, bucket: int, x: torch.Tensor, positions: torch.Tensor) -> _Graph:
         device = x.device
@@ -102,20 +145,12 @@ class DecodeGraphs:
             torch.full((bucket,), -1, dtype=torch.long, device=device))  # capture writes nothing to the cache
         meta = AttentionMetadata([1] * bucket, [self.max_blocks * self.block_size] * bucket, inputs.block_tables,
                                  inputs.slot_mapping, torch.arange(bucket + 1, dtype=torch.int32, device=device),
-                                 inputs.cu_context_lens, self.block_size)
+                                 inputs.cu_context_lens, self.block_size, backend=self.backend)
         meta.cascade = False  # the captured step is plain paged decode; cascade steps never replay
 
         def step() -> torch.Tensor:
             return self.lm(inputs.x, inputs.positions, meta, self.kv_caches)
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up outside the graph: Triton compiles, allocator settles
-            step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
-        self.pool = graph.pool()
-        self.graphs[bucket] = _Graph(graph, inputs, out)
+        replay, out, self.pool = self.capture(step, device, self.pool)
+        self.graphs[bucket] = _Graph(replay, inputs, out)
         return self.graphs[bucket]

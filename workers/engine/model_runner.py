@@ -188,7 +188,7 @@ class ModelRunner:
         return AttentionMetadata.build(
             [s.num_new_tokens for s in scheduled], [s.start + s.num_new_tokens for s in scheduled],
             [s.block_table for s in scheduled], self.config.block_size, self.device,
-            slot_mapping=[slot for s in scheduled for slot in s.slot_mapping])
+            slot_mapping=[slot for s in scheduled for slot in s.slot_mapping], backend=self.config.attention_backend)
 
     def _draw_unseeded(self, logits: torch.Tensor, sampled: list[tuple[ScheduledSeq, int]]) -> dict[SeqId, int]:
         # unseeded sampled rows without proposals, from one shared stream: one batched draw for all of them

@@ -12,15 +12,21 @@ cache blocks attend to those once (cascade), merged by log-sum-exp. On CUDA: `vl
 runs decode-only steps (paged split-KV decode; the cascade kernel, cascade_route.py, for groups sharing an image
 prefix, grouped as the CPU path groups them); other steps use flash-attn's paged varlen kernel when it is
 installed and the block size allows, else the same torch path without the cascade.
+
+`AttentionMetadata.backend` (EngineConfig.attention_backend, config.ATTENTION_BACKENDS) picks the route: "auto" =
+the kernels on CUDA, torch elsewhere; "kernels" = the kernels on any device (on CPU through the Triton interpreter:
+how CPU tests run the CUDA path's wiring); "torch" = never the kernels.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from vlmq.workers.engine.config import ATTENTION_BACKENDS
 from vlmq.workers.engine.device_defaults import prefill_path
 from vlmq.workers.layers.cascade_route import cascade_attention, route_for
 from vlmq.workers.layers.paged_torch import TorchPlan, torch_paged_attention
@@ -36,8 +42,16 @@ except ImportError:  # pragma: no cover - depends on the install
     _kernels = None
 
 
-def _use_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda and _kernels is not None
+# layer calls per route since import ("cascade", "paged_decode", "flash", "torch"), counted when this Python code
+# runs (a CUDA graph replay does not run it): tests and benchmarks read it
+route_counts: Counter[str] = Counter()
+
+
+def _kernel_impl(x: torch.Tensor, backend: str) -> str | None:
+    # the kernel wrappers' impl when this step runs on our kernels, None for the torch / flash path
+    if backend == "kernels":
+        return "triton"  # on CPU tensors the wrappers then need TRITON_INTERPRET=1
+    return "auto" if backend == "auto" and x.is_cuda and _kernels is not None else None
 
 
 @dataclass(slots=True)
@@ -52,7 +66,11 @@ class AttentionMetadata:
     cu_context_lens: torch.Tensor  # [S + 1] int32
     block_size: int
     torch_plan: TorchPlan | None = None  # the torch path's plan, built by the first layer and reused by the rest
-    cascade: object = None  # CUDA decode steps: cascade_route.route_for's route (False: none), built once
+    cascade: object = None  # kernel decode steps: cascade_route.route_for's route (False: none), built once
+    # block_tables as host lists (rows unpadded): cascade routing reads them without a device sync; None when the
+    # metadata was not built from host lists (a CUDA graph's static buffers: it never routes)
+    host_block_tables: list[list[int]] | None = None
+    backend: str = "auto"  # one of ATTENTION_BACKENDS
 
     @property
     def max_query_len(self) -> int:
@@ -71,10 +89,12 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         slot_mapping: list[int] | None = None,
+        backend: str = "auto",
     ) -> AttentionMetadata:
         """Sequences in batch order; `slot_mapping` (the scheduler's, if it made one) is derived from the block
         tables when not given."""
         assert len(query_lens) == len(context_lens) == len(block_tables)
+        assert backend in ATTENTION_BACKENDS, backend
         slots: list[int] = []
         for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
             assert 0 < q_len <= ctx_len <= len(table) * block_size
@@ -97,15 +117,18 @@ class AttentionMetadata:
             cu_query_lens=cu(query_lens),
             cu_context_lens=cu(context_lens),
             block_size=block_size,
+            host_block_tables=[list(t) for t in block_tables],
+            backend=backend,
         )
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    backend: str = "auto",
 ) -> None:
-    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T]
-    if _use_kernels(k):
-        _kernels.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
+    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] (-1: skip, on the kernel path)
+    if (impl := _kernel_impl(k, backend)) is not None:
+        _kernels.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping, impl=impl)
         return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -121,20 +144,24 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's keys/values, rotary applied); returns [T, H, D]."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if _use_kernels(q) and meta.max_query_len == 1 and (route := route_for(meta)) is not None:
-        return cascade_attention(q, k_cache, v_cache, route, scale)  # groups sharing an image prefix
-    if _use_kernels(q) and meta.max_query_len == 1:  # decode-only step: split-KV paged decode kernel
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.backend)
+    impl = _kernel_impl(q, meta.backend) if meta.max_query_len == 1 else None  # decode-only steps
+    if impl is not None and (route := route_for(meta)) is not None:
+        route_counts["cascade"] += 1
+        return cascade_attention(q, k_cache, v_cache, route, scale, impl=impl)  # groups sharing an image prefix
+    if impl is not None:  # split-KV paged decode kernel
+        route_counts["paged_decode"] += 1
         context_lens = meta.cu_context_lens[1:] - meta.cu_context_lens[:-1]
-        out, _ = _kernels.paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, context_lens, scale=scale, max_context_len=meta.max_context_len
-        )
+        out, _ = _kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, context_lens, scale=scale,
+                                                 max_context_len=meta.max_context_len, impl=impl)
         return out
     if _use_flash_paged(q, meta):
+        route_counts["flash"] += 1
         return _flash_varlen_func(
             q, k_cache, v_cache, meta.cu_query_lens, meta.cu_context_lens, meta.max_query_len,
             meta.max_context_len, softmax_scale=scale, causal=True, block_table=meta.block_tables,
         )  # fmt: skip
+    route_counts["torch"] += 1
     return torch_paged_attention(q, k_cache, v_cache, meta, scale)
 
 

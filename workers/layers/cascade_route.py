@@ -78,9 +78,11 @@ def build_route(meta: AttentionMetadata, layout: CascadeLayout) -> CascadeRoute:
 
 
 def route_for(meta: AttentionMetadata) -> CascadeRoute | None:
-    """The step's route, built by the first layer and cached on the metadata (False: no group pays)."""
+    """The step's route, built by the first layer and cached on the metadata (False: no group pays). Reads the
+    host block tables: no device sync (DecodeGraphs.run calls it before every replay)."""
     if meta.cascade is None:
-        layout = route_decode(meta.context_lens, meta.block_tables.tolist(), meta.block_size)
+        assert meta.host_block_tables is not None, "routing needs AttentionMetadata.build's host block tables"
+        layout = route_decode(meta.context_lens, meta.host_block_tables, meta.block_size)
         meta.cascade = build_route(meta, layout) if layout is not None else False
     return meta.cascade or None
 
