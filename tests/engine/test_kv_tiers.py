@@ -139,3 +139,24 @@ def test_a_wider_encoder_output_is_restored_from_the_archive(tmp_path):
     assert engine.runner.model.encoder_output_width > engine.runner.model.config.text_config.hidden_size
     assert answers[0] == answers[1] and store.stats()["archive_bad_objects"] == 0
     assert engine.tiers.counts["restored_images"] == 1 and engine.stats.num_encoded_images == 0
+
+
+def test_the_archive_is_skipped_when_recomputing_is_measured_cheaper(model_dir, tmp_path):
+    # The decision rule of every archive lookup: fetch while this worker has no rates yet; once it has, fetch only
+    # when bytes / bandwidth + first-byte latency beat the recompute estimate; always_fetch overrides it.
+    store = KVStore(weights_identity(model_dir), KVStoreConfig(), FileStorage(tmp_path / "s3"))
+    engine = Engine.from_model_dir(model_dir, num_blocks=64, kv_store=store)
+    try:
+        tiers, shape = engine.tiers, (64, 128)  # an encoder output of 64 tokens: 32 KiB
+        assert tiers._worth_fetching(shape, None, 1)  # no rates measured yet
+        store.fetch_rate.latency_s, store.fetch_rate.bandwidth = 0.2, 1e9  # a slow first byte
+        assert not tiers._worth_fetching(shape, 0.05, 1)  # recomputing in 50 ms beats 200 ms to the first byte
+        assert tiers._worth_fetching(shape, 0.5, 1)
+        store.fetch_rate.latency_s, store.fetch_rate.bandwidth = 0.001, 1e4  # fast first byte, 10 kB/s
+        assert not tiers._worth_fetching(shape, 0.5, 1)  # 3.3 s of transfer
+        assert tiers.counts["fetch_skipped"] == 2 and tiers.counts["archive_fetches"] == 2
+        store.config.always_fetch = True
+        assert tiers._worth_fetching(shape, 0.05, 1)
+    finally:
+        engine.close()
+        store.close()
