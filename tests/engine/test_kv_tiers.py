@@ -160,3 +160,21 @@ def test_the_archive_is_skipped_when_recomputing_is_measured_cheaper(model_dir, 
     finally:
         engine.close()
         store.close()
+
+
+def test_a_fresh_engine_does_not_keep_the_old_kv_cache(model_dir, tmp_path):
+    # Recovery replaces a failed engine while the caller still holds it: its KV cache must be free by then (on a
+    # GPU sized by kv_cache_memory_fraction there is no room for two), tiers or not.
+    import gc
+    import weakref
+
+    store = KVStore(weights_identity(model_dir), KVStoreConfig(), FileStorage(tmp_path / "s3"))
+    old = Engine.from_model_dir(model_dir, num_blocks=64, kv_store=store)
+    kv = weakref.ref(old.runner.kv_caches[0][0])
+    new = old.fresh()
+    gc.collect()
+    try:
+        assert kv() is None and new.tiers is not None and new.tiers.store is store
+    finally:
+        new.close()
+        store.close()

@@ -196,6 +196,7 @@ class Engine:
         model, processor, config, kwargs = self._args
         self.close()
         del self.runner, self.scheduler
+        self.tiers = None  # it holds the old runner (and so its KV cache) too
         return Engine(model, processor, config, **kwargs)
 
     def step(self) -> list[RequestOutput]:

@@ -251,8 +251,6 @@ class HeadProposer(Proposer):
     # -- what the target computed ----------------------------------------------------------------
     def observe(self, out, runner_out, hidden: torch.Tensor | None) -> None:
         # no tensor work here (it runs for every sequence of every step): rows are sliced when a sequence proposes
-        if hidden.is_cuda and out.num_scheduled_tokens == len(out.scheduled):
-            hidden = hidden.clone()  # a plain decode step may be a CUDA-graph replay: its static output is reused
         row, more = 0, runner_out.more_token_ids
         for s in out.scheduled:
             first_row, row = row, row + s.num_new_tokens
