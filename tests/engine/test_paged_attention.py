@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vlmq.workers.layers import paged_torch
-from vlmq.workers.layers.attention import AttentionMetadata, paged_attention
+from vlmq.workers.layers.attention import AttentionMetadata, Segments, paged_attention, varlen_attention
 
 D = 16
 
@@ -161,3 +161,19 @@ def test_gather_cap_splits_runs_by_padded_size():
     split = paged_torch._split_by_gather_size
     assert split([0, 1, 2, 3], [10, 5, 30, 40], 1, cap=30) == [[0, 1], [2], [3]]  # 2 x 10 fits, 3 x 30 does not
     assert split([3, 1, 0], [10, 5, 8, 12], 1, cap=30) == [[3, 1], [0]]
+
+
+def test_vision_segments_of_equal_length_attend_batched_and_match_one_by_one():
+    # images / windows of one packed vision call: equal lengths share one batched SDPA, a lone length is sliced;
+    # every segment attends only within itself
+    lengths = [5, 3, 5, 0, 5, 3, 7]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    seg = Segments.of(cu)
+    assert seg.bounds == tuple(cu.tolist()) and seg.max_len == 7
+    assert sorted((n, r if isinstance(r, int) else r.numel()) for n, r in seg.groups) == [(3, 6), (5, 15), (7, 21)]
+    q, k, v = torch.randn(3, int(cu[-1]), 4, 16).unbind(0)
+    out = varlen_attention(q, k, v, seg, scale=0.25)
+    for a, b in zip(seg.bounds[:-1], seg.bounds[1:], strict=True):
+        if b > a:
+            ref = torch.softmax(torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * 0.25, -1)
+            torch.testing.assert_close(out[a:b], torch.einsum("hqk,khd->qhd", ref, v[a:b]), atol=1e-5, rtol=1e-5)

@@ -184,16 +184,53 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask:
     return out[0].transpose(0, 1)
 
 
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Bidirectional attention inside each segment. q, k, v: [N, H, D]; cu_seqlens: [S + 1] int32 -> [N, H, D]."""
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """The segments of a packed vision batch (one per image, frame or window), read once per encoder call and shared
+    by every layer: offsets on the device for flash-attn, on the host for the SDPA path, so no layer syncs."""
+
+    cu: torch.Tensor  # [S + 1] int32 offsets, on the device
+    bounds: tuple[int, ...]  # the same offsets on the host
+    # equal-length segments attend in one batched SDPA: (length, row index [n * length] on the device, or the start
+    # of the only segment of that length, sliced without a gather)
+    groups: tuple[tuple[int, torch.Tensor | int], ...]
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor) -> Segments:
+        bounds = tuple(cu_seqlens.tolist())  # the one device read of the call
+        starts: dict[int, list[int]] = {}
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if end > start:
+                starts.setdefault(end - start, []).append(start)
+        groups: list[tuple[int, torch.Tensor | int]] = []
+        for length, firsts in starts.items():
+            if len(firsts) == 1:
+                groups.append((length, firsts[0]))
+            else:
+                rows = torch.tensor(firsts)[:, None] + torch.arange(length)  # [n, length]
+                groups.append((length, rows.flatten().to(cu_seqlens.device)))
+        return cls(cu_seqlens, bounds, tuple(groups))
+
+    @property
+    def max_len(self) -> int:
+        return max((b - a for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True)), default=0)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, scale: float) -> torch.Tensor:
+    """Bidirectional attention inside each segment. q, k, v: [N, H, D] -> [N, H, D]."""
     if q.is_cuda and _flash_varlen_func is not None and q.dtype in (torch.float16, torch.bfloat16):
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return _flash_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scale)
-    bounds = cu_seqlens.tolist()
+        return _flash_varlen_func(q, k, v, seg.cu, seg.cu, seg.max_len, seg.max_len, softmax_scale=scale)
     out = torch.empty_like(q)
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end > start:
-            out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale, None)
+    for length, rows in seg.groups:
+        if isinstance(rows, int):  # one segment of this length
+            out[rows:rows + length] = _sdpa(q[rows:rows + length], k[rows:rows + length], v[rows:rows + length],
+                                            scale, None)
+            continue
+        n = rows.numel() // length
+        qs, ks, vs = (t.index_select(0, rows).view(n, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        if ks.shape[1] != qs.shape[1]:  # grouped-query heads share K/V
+            ks = ks.repeat_interleave(qs.shape[1] // ks.shape[1], dim=1)
+            vs = vs.repeat_interleave(qs.shape[1] // vs.shape[1], dim=1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [n, H, length, D]
+        out.index_copy_(0, rows, o.transpose(1, 2).reshape(n * length, *q.shape[1:]))
     return out

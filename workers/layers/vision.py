@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmq.workers.layers.attention import varlen_attention
+from vlmq.workers.layers.attention import Segments, varlen_attention
 from vlmq.workers.layers.rotary import apply_rotary
 
 
@@ -28,12 +28,12 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seg: Segments, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [N, E] -> q, k, v: [N, H, D]; rotary in float32 like the reference
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         q = apply_rotary(q.float(), cos, sin).to(x.dtype)
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)
-        out = varlen_attention(q, k, v, cu_seqlens, self.head_dim**-0.5)
+        out = varlen_attention(q, k, v, seg, self.head_dim**-0.5)
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -44,8 +44,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+    def forward(self, x: torch.Tensor, seg: Segments, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), seg, cos, sin)
         return x + self.mlp(self.norm2(x))
 
 

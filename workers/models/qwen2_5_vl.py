@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmq.workers.layers.attention import Segments
 from vlmq.workers.layers.mlp import GatedMLP
 from vlmq.workers.layers.norm import RMSNorm
 from vlmq.workers.layers.rotary import vision_patch_positions
@@ -70,12 +71,12 @@ class Qwen2_5VisionTransformer(Qwen2VisionTransformer):
         x = self.patch_embed(pixel_values)  # [P, E]
         unit, dim = self.merge**2, x.shape[-1]
         order, cu_windows = window_partition(grid_thw, self.merge, self.window)
-        order, cu_windows = order.to(x.device), cu_windows.to(x.device)
+        order, cu_windows = order.to(x.device), Segments.of(cu_windows.to(x.device))
         # reorder whole merge units (merge² consecutive patches) so each window is one contiguous segment
         x = x.view(-1, unit, dim)[order].view(-1, dim)
         pos = vision_patch_positions(grid_thw, self.merge).to(x.device)
         cos, sin = self.rotary_pos_emb(pos.view(-1, unit, 2)[order].view(-1, 2))
-        cu_images = segment_bounds(grid_thw).to(x.device)
+        cu_images = Segments.of(segment_bounds(grid_thw).to(x.device))
         for i, blk in enumerate(self.blocks):
             x = blk(x, cu_images if i in self.full_attention_blocks else cu_windows, cos, sin)
         return self.merger(x)[torch.argsort(order)]  # [P/merge², out_dim] back in raster order

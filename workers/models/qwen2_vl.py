@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmq.workers.layers.attention import AttentionMetadata, paged_attention
+from vlmq.workers.layers.attention import AttentionMetadata, Segments, paged_attention
 from vlmq.workers.layers.mlp import GatedMLP, PlainMLP
 from vlmq.workers.layers.norm import RMSNorm, layer_norm
 from vlmq.workers.layers.rotary import MRotaryEmbedding, VisionRotaryEmbedding, apply_rotary, vision_patch_positions
@@ -96,7 +96,7 @@ class Qwen2VisionTransformer(nn.Module):
         """
         x = self.patch_embed(pixel_values)  # [P, E]
         cos, sin = self.rotary_pos_emb(vision_patch_positions(grid_thw, self.merge).to(x.device))
-        cu_seqlens = segment_bounds(grid_thw).to(x.device)
+        cu_seqlens = Segments.of(segment_bounds(grid_thw).to(x.device))
         for blk in self.blocks:
             x = blk(x, cu_seqlens, cos, sin)
         return self.merger(x)

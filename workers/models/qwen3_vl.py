@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from vlmq.workers.layers.attention import AttentionMetadata, paged_attention
+from vlmq.workers.layers.attention import AttentionMetadata, Segments, paged_attention
 from vlmq.workers.layers.norm import RMSNorm, layer_norm
 from vlmq.workers.layers.rotary import MRotaryEmbedding, VisionRotaryEmbedding, apply_rotary, vision_patch_positions
 from vlmq.workers.layers.vision import PatchEmbed, VisionBlock
@@ -125,7 +125,7 @@ class Qwen3VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)  # [P, E]
         x = x + interpolate_pos_embed(self.pos_embed.weight, grid_thw, self.merge).to(x.dtype)
         cos, sin = self.rotary_pos_emb(vision_patch_positions(grid_thw, self.merge).to(x.device))
-        cu_seqlens = segment_bounds(grid_thw).to(x.device)
+        cu_seqlens = Segments.of(segment_bounds(grid_thw).to(x.device))
         taps = []
         for i, blk in enumerate(self.blocks):
             x = blk(x, cu_seqlens, cos, sin)
