@@ -149,9 +149,13 @@ class ModelRunner:
             lo, hi = inp.patch_offsets[enc.image_index], inp.patch_offsets[enc.image_index + 1]
             pixels.append(inp.pixel_values[lo:hi])
             grids.append(inp.grid_thw[enc.image_index])
-        pixel_values = torch.cat(pixels)  # [P, C*Tp*p*p]
-        if self.device.type == "cuda":  # from pinned memory the copy is asynchronous (no staging through pageable)
-            pixel_values = pixel_values.pin_memory()
+        if self.device.type == "cuda":  # packed straight into pinned memory: the copy to the device is asynchronous
+            first = pixels[0]
+            staged = torch.empty((sum(p.shape[0] for p in pixels), *first.shape[1:]), dtype=first.dtype,
+                                 pin_memory=True)
+            pixel_values = torch.cat(pixels, out=staged)  # [P, C*Tp*p*p]
+        else:
+            pixel_values = torch.cat(pixels)
         pixel_values = pixel_values.to(self.device, non_blocking=True)
         grid_thw = torch.stack(grids).to(self.device)  # [N, 3]
         embeds = self.model.encode_images(pixel_values, grid_thw)  # N x [n_i, hidden]
