@@ -17,6 +17,7 @@ header ``{"limits": {...}, "cpu_seconds": s, "size": n}``, body the encoded imag
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -258,6 +259,7 @@ def decode(data: bytes, limits: ImageLimits) -> Image.Image:
     with _pool_lock:
         if _pool is None:
             _pool = DecodePool()
+            atexit.register(_pool.close)  # its children exit and are reaped with this process
     return _pool.decode(data, limits)
 
 
