@@ -11,7 +11,6 @@ MALLOC_MMAP_THRESHOLD_). Run it twice, alternating settings, to compare: the mac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -84,7 +83,6 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--alone", type=int, default=7)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-    parser.add_argument("--out", default="bench-results/worker-pace.json")
     args = parser.parse_args()
     os.environ.update(kv.split("=", 1) for kv in args.env)
     server = start_valkey()
@@ -97,23 +95,16 @@ def main() -> None:
                 warm = client.submit(inputs.encode(inputs.rgb(), "PNG"), PROMPT, max_new_tokens=4)
                 warm.result(timeout=300)
                 forger = Forger(client, settings, warm.id)
-                medians, rounds = [], []
+                medians = []
                 for round_ in range(args.passes + 1):
                     median, per_job = alone(client, worker.proc.pid, args.alone)
                     medians.append(median)
-                    rounds.append({"passes_before": round_, "alone_median_s": round(median, 3),
-                                   "context_switches_per_job": round(per_job),
-                                   "rss_mb": round(rss_mb(worker.proc.pid))})
                     print(f"after {round_} passes: alone median {median:.3f} s, {per_job:.0f} context switches per "
                           f"job, worker RSS {rss_mb(worker.proc.pid):.0f} MB", flush=True)
                     if round_ < args.passes:
                         corpus_pass(client, forger)
                 forger.close()
             print(f"last / first: {medians[-1] / medians[0]:.2f}")
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({
-                "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "env": args.env, "alone_jobs": args.alone,
-                "rounds": rounds, "last_over_first": round(medians[-1] / medians[0], 3)}, indent=2) + "\n")
         finally:
             worker.stop()
             server.stop()
