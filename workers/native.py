@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -45,36 +44,6 @@ def on_own_thread(call: Callable[[], T], name: str = "vlmq-load") -> T:
     if error:
         raise error[0]
     return result[0]
-
-
-def single_threaded_ops() -> None:
-    """Makes torch's parallel ops on the calling thread run on it alone, with no OpenMP team of its own.
-
-    For the pools beside the model thread (as their ``initializer``): a team started on one of them would slow
-    every parallel region of the model thread, as :func:`on_own_thread` explains.
-    """
-    import torch
-
-    torch.get_num_threads()  # torch sets this thread's OpenMP thread count on its first use here: before ours
-    for lib in _openmp_libraries():
-        lib.omp_set_num_threads(1)
-
-
-def _openmp_libraries() -> list[ctypes.CDLL]:
-    """The OpenMP runtimes loaded in this process (torch's bundled libgomp, or an Intel or LLVM one)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
-    except OSError:  # not Linux
-        return []
-    found = []
-    for path in sorted(paths):
-        if path.rsplit("/", 1)[-1].startswith(("libgomp", "libiomp", "libomp")):
-            try:
-                found.append(ctypes.CDLL(path, mode=os.RTLD_NOLOAD))
-            except OSError:
-                continue
-    return found
 
 
 def fix_mmap_threshold() -> bool:

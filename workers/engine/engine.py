@@ -31,7 +31,6 @@ from vlmq.workers.kvstore.identity import weights_identity
 from vlmq.workers.kvstore.store import KVStore
 from vlmq.workers.models.loader import load_model
 from vlmq.workers.models.processor import load_processor
-from vlmq.workers.native import single_threaded_ops
 
 from .config import EngineConfig
 from .cuda_profile import profiled_kv_bytes
@@ -94,8 +93,7 @@ class Engine:
         self.preprocessor = Preprocessor(processor, image_pre, model, model_id, eos_token_ids, share_encoder_outputs)
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
-        # single-threaded torch ops: an OpenMP team on these threads would slow the model thread's (native.py)
-        self._pool = ThreadPoolExecutor(num_preprocess_threads, "vlmq-preprocess", single_threaded_ops)
+        self._pool = ThreadPoolExecutor(num_preprocess_threads, thread_name_prefix="vlmq-preprocess")
         self._ready: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()
         self._preparing: set[str] = set()  # on the preprocessing threads; the scheduler has not seen them
         self._meta: dict[str, RequestOutput] = {}  # request_id -> output being filled

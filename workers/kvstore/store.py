@@ -29,7 +29,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from vlmq.storage import Storage
-from vlmq.workers.native import single_threaded_ops
 
 from .format import QUANTS, BadObject, Expected, decode, encode
 from .tiers import ArchiveTier, DiskTier, HostTier, ItemKey, TierStats
@@ -96,10 +95,9 @@ class KVStore:
         self.counts = dict.fromkeys(COUNTS, 0)
         self._lock = threading.Lock()  # host and disk tiers, counters
         self._archived: OrderedDict[ItemKey, None] = OrderedDict()  # known to be in the archive (bounded LRU)
-        # single-threaded torch ops: an OpenMP team on these threads would slow the model thread's (native.py)
-        self._io = ThreadPoolExecutor(1, "vlmq-kv-io", single_threaded_ops)  # demotions and uploads, in order
-        self._fetch = ThreadPoolExecutor(2, "vlmq-kv-fetch", single_threaded_ops)
-        self._chain = ThreadPoolExecutor(CHAIN_FETCHES, "vlmq-kv-chain", single_threaded_ops)
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="vlmq-kv-io")  # demotions and uploads, in order
+        self._fetch = ThreadPoolExecutor(2, thread_name_prefix="vlmq-kv-fetch")
+        self._chain = ThreadPoolExecutor(CHAIN_FETCHES, thread_name_prefix="vlmq-kv-chain")
 
     @property
     def has_archive(self) -> bool:
