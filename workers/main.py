@@ -80,11 +80,9 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.fleet import FleetReporter
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
-    from vlmq.workers.native import fix_mmap_threshold, on_own_thread
     from vlmq.workers.retention import start_sweeper
 
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
-    fix_mmap_threshold()
     spec = resolve_model(model, settings)
     check_device(settings.device)
     shared = worker_queues(spec, settings, settings.worker_classes)
@@ -96,10 +94,8 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
         from vlmq.workers.kvstore import store_from_settings
 
         kv_store = store_from_settings(settings, spec.name, model_dir(spec), storage)
-    # loaded on a thread that then exits: see on_own_thread (the model thread must own the only OpenMP team)
-    backend = on_own_thread(lambda: load_backend(settings.backend, model_dir(spec), settings.device,
-                                                 kv_tokens=settings.worker_budget, kv_store=kv_store,
-                                                 speculative=settings.speculative or "model"))
+    backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
+                           kv_store=kv_store, speculative=settings.speculative or "model")
     redis = redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3)
     fleet = FleetReporter(redis, settings, spec.name, name, classes, backend.cache_stats)
     # the worker's own queues (affinity routing) cost what the shared queue of their class costs
