@@ -194,6 +194,7 @@ class Segments:
     # equal-length segments attend in one batched SDPA: (length, row index [n * length] on the device, or the start
     # of the only segment of that length, sliced without a gather)
     groups: tuple[tuple[int, torch.Tensor | int], ...]
+    max_len: int  # the longest segment (flash-attn's max_seqlen)
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor) -> Segments:
@@ -209,11 +210,7 @@ class Segments:
             else:
                 rows = torch.tensor(firsts)[:, None] + torch.arange(length)  # [n, length]
                 groups.append((length, rows.flatten().to(cu_seqlens.device)))
-        return cls(cu_seqlens, bounds, tuple(groups))
-
-    @property
-    def max_len(self) -> int:
-        return max((b - a for a, b in zip(self.bounds[:-1], self.bounds[1:], strict=True)), default=0)
+        return cls(cu_seqlens, bounds, tuple(groups), max(starts, default=0))
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, scale: float) -> torch.Tensor:
