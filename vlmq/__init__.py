@@ -7,6 +7,7 @@ dependencies (redis, Pillow, Celery) load on first use of one of these names.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 from vlmq.errors import BackendError, InvalidRequest, JobFailed, JobNotFound, JobTimeout, QueueFull, VlmqError
@@ -19,6 +20,13 @@ if TYPE_CHECKING:
     from vlmq.store import JobStatus
 
 __version__ = "0.1.0"
+
+# This folder in a checkout, imported from the checkout's root (its root first on sys.path) while vlmq is
+# installed as a wheel elsewhere: vlmq.workers and vlmq.kernels are then the checkout's own folders too, as
+# setup.py maps them, never a mix of two trees or an ImportError.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_CHECKOUT, "setup.py")) and os.path.isfile(os.path.join(_CHECKOUT, "workers", "app.py")):
+    __path__.append(_CHECKOUT)
 
 _LAZY = {"Client": "vlmq.client", "Job": "vlmq.jobs", "JobResult": "vlmq.jobs", "JobRequest": "vlmq.request",
          "JobStatus": "vlmq.store", "Settings": "vlmq.settings"}
