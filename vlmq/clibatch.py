@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmq.cliformat import batch_lines, emit
+from vlmq.progress import Progress
 
 ClientFactory = Callable[[argparse.Namespace], Any]
 
@@ -35,18 +36,19 @@ def _status(args: argparse.Namespace, client_of: ClientFactory, cancel: bool = F
 
 
 def _follow(batch: Any, args: argparse.Namespace) -> int:
-    """Wait with a progress bar on stderr; exit 1 unless every request completed."""
-    from tqdm import tqdm
+    """Wait with progress on stderr (a bar on a terminal, a line every few seconds elsewhere); exit 1 unless
+    every request completed."""
+    progress = Progress("requests", sys.stderr, label=f"{batch.id} ")
 
-    with tqdm(desc=batch.id, unit="req", file=sys.stderr, disable=args.json or None) as bar:
-        def progress(obj: dict[str, Any]) -> None:
-            c = obj["request_counts"]
-            bar.total = c["total"]
-            bar.n = c["completed"] + c["failed"]
-            bar.set_postfix(status=obj["status"], failed=c["failed"], refresh=False)
-            bar.refresh()
+    def report(obj: dict[str, Any]) -> None:
+        c = obj["request_counts"]
+        if not args.json:
+            progress.update(c["completed"] + c["failed"], c["total"], f"{obj['status']}, {c['failed']} failed")
 
-        obj = batch.wait(timeout=args.timeout, on_progress=progress)
+    try:
+        obj = batch.wait(timeout=args.timeout, on_progress=report)
+    finally:
+        progress.close()
     emit(obj, args.json, batch_lines(obj))
     return 0 if _ended_well(obj) else 1
 

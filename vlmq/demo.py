@@ -9,24 +9,31 @@ prints what came back by polling and by webhook.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from vlmq.children import (
+    Child,
+    ChildFailed,
+    check_alive,
+    signals_ignored,
+    signals_interrupt,
+    start_child,
+    stop_children,
+    wait_ready,
+)
 from vlmq.client import Client
 from vlmq.embedded import Server, start_valkey
 from vlmq.errors import VlmqError
 from vlmq.jobs import Job, JobStatus
+from vlmq.progress import Progress
 from vlmq.settings import Settings
 from vlmq.webhooks import new_secret, verify
 
@@ -39,17 +46,8 @@ def load_samples() -> list[tuple[bytes, str, str, str]]:
 
 
 WORKER_ARGS = ("-m", "vlmq.workers.main", "--model", "tiny-shapes")
-
-
-def start_worker(settings: Settings, log_path: Path, args: Sequence[str] = WORKER_ARGS) -> subprocess.Popen[bytes]:
-    """A process running ``python ARGS`` (by default a worker for the bundled model), logging to ``log_path``.
-
-    It runs in its own session: Ctrl-C in the terminal reaches only the command that started it, which stops it.
-    """
-    env = {**os.environ, **settings.to_env()}
-    with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+DELIVERY_ARGS = ("-m", "vlmq.delivery")
+READY_TIMEOUT = 300.0  # s: the worker loads its model, the delivery worker connects
 
 
 class Receiver:
@@ -86,36 +84,18 @@ class Receiver:
         return len(job_ids & self.job_ids)
 
 
-def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
-    """SIGTERM every process at once (Celery's warm shutdown: each hands back or finishes its jobs), then SIGKILL
-    what outlives ``timeout``."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _progress(done: int, total: int, started: float) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    bar = "#" * filled + "-" * (width - filled)
-    print(f"\r  [{bar}] {done}/{total} jobs  {time.monotonic() - started:5.1f} s", end="", flush=True)
-
-
-def _wait_all(jobs: list[Job], timeout: float) -> None:
+def _wait_all(jobs: list[Job], timeout: float, children: list[Child]) -> None:
+    progress = Progress("jobs", sys.stdout)
     started = time.monotonic()
     pending = set(range(len(jobs)))
-    while pending and time.monotonic() - started < timeout:
-        pending = {i for i in pending if not jobs[i].status().is_final}
-        _progress(len(jobs) - len(pending), len(jobs), started)
-        time.sleep(0.2)
-    print()
+    try:
+        while pending and time.monotonic() - started < timeout:
+            check_alive(children)
+            pending = {i for i in pending if not jobs[i].status().is_final}
+            progress.update(len(jobs) - len(pending), len(jobs))
+            time.sleep(0.2)
+    finally:
+        progress.close()
 
 
 def _table(jobs: list[Job], meta: list[tuple[str, str, str]]) -> int:
@@ -135,47 +115,69 @@ def _table(jobs: list[Job], meta: list[tuple[str, str, str]]) -> int:
     return correct
 
 
+def _start(settings: Settings, valkey: Server, workdir: Path, children: list[Child]) -> None:
+    """The worker and the delivery worker, watched with the embedded server until both are ready."""
+    print(f"starting one CPU worker for tiny-shapes (log: {workdir / 'worker.log'}) and one webhook delivery "
+          f"worker (log: {workdir / 'delivery.log'}) ...", flush=True)
+    children.append(start_child("worker", settings, workdir / "worker.log", WORKER_ARGS))
+    children.append(start_child("webhook delivery worker", settings, workdir / "delivery.log", DELIVERY_ARGS))
+    wait_ready([Child("embedded Redis-compatible server", valkey.proc), *children], READY_TIMEOUT)
+
+
 def run_demo(num_jobs: int = 16, keep: bool = False, timeout: float = 600.0) -> int:
-    """Run the demo; returns a process exit code (0 when every job finished)."""
+    """Run the demo; returns a process exit code (0 when every job finished).
+
+    A child that exits or is not ready in time stops the demo with its cause and the end of its log (exit 1);
+    Ctrl-C, SIGTERM and SIGHUP stop it (exit 130) and everything it started.
+    """
     samples = load_samples()
     workdir = Path(tempfile.mkdtemp(prefix="vlmq-demo-"))
     valkey: Server | None = None
-    workers: list[subprocess.Popen[bytes]] = []
+    children: list[Child] = []
     secret = new_secret()
     receiver = Receiver(secret)
     try:
-        print("starting an embedded Redis-compatible server ...")
-        valkey = start_valkey()
-        # the demo's own receiver listens on 127.0.0.1: allow exactly that address past the webhook guard
-        settings = Settings(broker_url=valkey.url, storage_url=f"file://{workdir / 'storage'}",
-                            webhook_secrets=secret, webhook_allow="127.0.0.1/32", webhook_poll=0.1)
-        print(f"  {valkey.url}; storage {settings.storage_url}")
-        print(f"starting one CPU worker for tiny-shapes (log: {workdir / 'worker.log'}) and one webhook delivery "
-              f"worker (log: {workdir / 'delivery.log'}) ...")
-        workers.append(start_worker(settings, workdir / "worker.log"))
-        workers.append(start_worker(settings, workdir / "delivery.log", ("-m", "vlmq.delivery")))
-        with Client(settings=settings, webhook=receiver.url) as client:
-            picked = [samples[i % len(samples)] for i in range(num_jobs)]
-            jobs = [client.submit(data, prompt, max_new_tokens=64) for data, _, prompt, _ in picked]
-            print(f"submitted {len(jobs)} jobs")
-            _wait_all(jobs, timeout)
-            correct = _table(jobs, [(name, prompt, exp) for _, name, prompt, exp in picked])
-            finished = sum(j.status() is JobStatus.FINISHED for j in jobs)
-        told = receiver.wait({j.id for j in jobs}, timeout=30)
-        print(f"{finished}/{len(jobs)} finished, {correct} answers match the expected ones")
-        print(f"webhooks: {told}/{len(jobs)} signed job events received at {receiver.url} and verified "
-              f"({receiver.rejected} refused)")
-        return 0 if finished == told == len(jobs) else 1
+        with signals_interrupt():
+            print("starting an embedded Redis-compatible server ...", flush=True)
+            valkey = start_valkey()
+            # the demo's own receiver listens on 127.0.0.1: allow exactly that address past the webhook guard;
+            # the other settings come from the environment (VLMQ_MODELS can point tiny-shapes at another folder)
+            settings = Settings.from_env(broker_url=valkey.url, storage_url=f"file://{workdir / 'storage'}",
+                                         webhook_secrets=secret, webhook_allow="127.0.0.1/32", webhook_poll=0.1)
+            print(f"  {valkey.url}; storage {settings.storage_url}", flush=True)
+            _start(settings, valkey, workdir, children)
+            watched = [Child("embedded Redis-compatible server", valkey.proc), *children]
+            return _run_jobs(settings, receiver, [samples[i % len(samples)] for i in range(num_jobs)], timeout,
+                             watched)
     except KeyboardInterrupt:
-        print("\ninterrupted; shutting down")
+        print("\ninterrupted; shutting down", flush=True)
         return 130
+    except ChildFailed as e:
+        print(f"vlmq demo: {e}\nstopping", file=sys.stderr, flush=True)
+        return 1
     except VlmqError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        stop_processes(workers)
-        receiver.server.shutdown()
-        if valkey is not None:
-            valkey.stop()
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        with signals_ignored():
+            stop_children(children)
+            receiver.server.shutdown()
+            if valkey is not None:
+                valkey.stop()
+            if not keep:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_jobs(settings: Settings, receiver: Receiver, picked: list[tuple[bytes, str, str, str]], timeout: float,
+              watched: list[Child]) -> int:
+    with Client(settings=settings, webhook=receiver.url) as client:
+        jobs = [client.submit(data, prompt, max_new_tokens=64) for data, _, prompt, _ in picked]
+        print(f"submitted {len(jobs)} jobs", flush=True)
+        _wait_all(jobs, timeout, watched)
+        correct = _table(jobs, [(name, prompt, exp) for _, name, prompt, exp in picked])
+        finished = sum(j.status() is JobStatus.FINISHED for j in jobs)
+    told = receiver.wait({j.id for j in jobs}, timeout=30)
+    print(f"{finished}/{len(jobs)} finished, {correct} answers match the expected ones")
+    print(f"webhooks: {told}/{len(jobs)} signed job events received at {receiver.url} and verified "
+          f"({receiver.rejected} refused)", flush=True)
+    return 0 if finished == told == len(jobs) else 1

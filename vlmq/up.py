@@ -6,17 +6,25 @@ from __future__ import annotations
 import dataclasses
 import shlex
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
-from vlmq.demo import start_worker, stop_processes
+from vlmq.children import (
+    Child,
+    ChildFailed,
+    check_alive,
+    signals_ignored,
+    signals_interrupt,
+    start_child,
+    stop_children,
+    wait_ready,
+)
 from vlmq.embedded import Server, start_valkey
 from vlmq.settings import BOTH, Settings, env_name
+
+READY_TIMEOUT = 600.0  # s: every worker loads its model (a large checkpoint on a GPU takes minutes)
 
 
 @dataclass(slots=True)
@@ -39,64 +47,50 @@ def producer_exports(settings: Settings) -> list[str]:
             if f.metadata["reader"] == BOTH and getattr(settings, f.name) != getattr(defaults, f.name)]
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops `vlmq up` the way Ctrl-C does
-
-
-def _wait_ready(logs: list[Path], workers: list[subprocess.Popen[bytes]], timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(" ready." in log.read_text(errors="replace") for log in logs):
-        if (dead := [str(log) for log, w in zip(logs, workers, strict=True) if w.poll() is not None]) or \
-                time.monotonic() > deadline:
-            raise RuntimeError(f"a worker did not start; read {', '.join(dead or map(str, logs))}")
-        time.sleep(0.2)
-
-
-def _start_workers(settings: Settings, options: UpOptions, folder: Path) -> tuple[list[subprocess.Popen[bytes]],
-                                                                                   list[Path]]:
+def _start_workers(settings: Settings, options: UpOptions, folder: Path) -> list[Child]:
     if options.gpus:
         runs = [(settings, ["--model", options.model, "--gpus", options.gpus])]
     else:
         runs = [(dataclasses.replace(settings, device="cpu",
                                      metrics_port=settings.metrics_port + i if settings.metrics_port else 0),
                  ["--model", options.model]) for i in range(options.workers)]
-    logs = [folder / f"worker-{i}.log" for i in range(len(runs))]
-    procs = [start_worker(s, log, ["-m", "vlmq.workers.main", *args])
-             for (s, args), log in zip(runs, logs, strict=True)]
-    return procs, logs
+    return [start_child(f"worker {i}", s, folder / f"worker-{i}.log", ["-m", "vlmq.workers.main", *args])
+            for i, (s, args) in enumerate(runs)]
 
 
 def run_up(options: UpOptions) -> int:
-    """Start the pool, print what a producer needs, and keep it running until Ctrl-C or SIGTERM."""
+    """Start the pool, print what a producer needs, and keep it running until Ctrl-C, SIGTERM or SIGHUP.
+
+    A worker that exits, or is not ready within ``READY_TIMEOUT``, stops everything with its cause (exit 1).
+    """
     folder = Path(options.folder or tempfile.mkdtemp(prefix="vlmq-up-")).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     valkey: Server | None = None
-    workers: list[subprocess.Popen[bytes]] = []
+    workers: list[Child] = []
     try:
-        valkey = start_valkey(options.port)
-        settings = Settings.from_env(broker_url=valkey.url, storage_url=f"file://{folder / 'storage'}")
-        workers, logs = _start_workers(settings, options, folder)
-        print(f"vlmq up: Valkey at {valkey.url}, storage {settings.storage_url}; starting {len(workers)} worker "
-              f"process(es) for {options.model} (logs in {folder}) ...", flush=True)
-        _wait_ready(logs, workers)
-        print("ready. In another shell:\n\n" + "\n".join(producer_exports(settings)) +
-              "\n\nCtrl-C stops the workers and the server.", flush=True)
-        while all(w.poll() is None for w in workers):
-            time.sleep(0.5)
-        print(f"vlmq up: a worker exited; read its log in {folder}; stopping", flush=True)
-        return 1
+        with signals_interrupt():
+            valkey = start_valkey(options.port)
+            settings = Settings.from_env(broker_url=valkey.url, storage_url=f"file://{folder / 'storage'}")
+            workers = _start_workers(settings, options, folder)
+            watched = [Child("embedded Redis-compatible server", valkey.proc), *workers]
+            print(f"vlmq up: Valkey at {valkey.url}, storage {settings.storage_url}; starting {len(workers)} worker "
+                  f"process(es) for {options.model} (logs in {folder}) ...", flush=True)
+            wait_ready(watched, READY_TIMEOUT)
+            print("ready. In another shell:\n\n" + "\n".join(producer_exports(settings)) +
+                  "\n\nCtrl-C stops the workers and the server.", flush=True)
+            while True:
+                check_alive(watched)
+                time.sleep(0.5)
     except KeyboardInterrupt:
         print("\nvlmq up: stopping ...", flush=True)
         return 0
-    except RuntimeError as e:
-        print(f"vlmq up: {e}", flush=True)
+    except (ChildFailed, RuntimeError) as e:
+        print(f"vlmq up: {e}\nstopping", flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
-        stop_processes(workers, float(Settings.from_env().shutdown_grace) + 15)
-        if valkey is not None:
-            valkey.stop()
-        if not options.folder:
-            shutil.rmtree(folder, ignore_errors=True)
-        signal.signal(signal.SIGTERM, previous)
+        with signals_ignored():  # a second signal must not cut the clean-up short
+            stop_children(workers, float(Settings.from_env().shutdown_grace) + 15)
+            if valkey is not None:
+                valkey.stop()
+            if not options.folder:
+                shutil.rmtree(folder, ignore_errors=True)

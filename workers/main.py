@@ -7,6 +7,7 @@ or ``--gpus 0,1`` starts one child process per GPU, each pinned with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,6 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq import keys
     from vlmq.workers import broker
     from vlmq.workers.app import make_worker_app
-    from vlmq.workers.backends import load_backend
     from vlmq.workers.batcher import Batcher
     from vlmq.workers.costgate import CostBudget, explain_class_cost
     from vlmq.workers.fleet import FleetReporter
@@ -83,7 +84,8 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.retention import start_sweeper
 
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
-    spec = resolve_model(model, settings)
+    with _model_load(model):
+        spec = resolve_model(model, settings)
     check_device(settings.device)
     shared = worker_queues(spec, settings, settings.worker_classes)
     classes = [c for c in cost_classes(settings).names if keys.queue(spec.name, c) in shared]
@@ -94,8 +96,11 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
         from vlmq.workers.kvstore import store_from_settings
 
         kv_store = store_from_settings(settings, spec.name, model_dir(spec), storage)
-    backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
-                           kv_store=kv_store, speculative=settings.speculative or "model")
+    with _model_load(model):
+        from vlmq.workers.backends import load_backend  # transformers and torch: a broken install fails here
+
+        backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
+                               kv_store=kv_store, speculative=settings.speculative or "model")
     redis = redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3)
     fleet = FleetReporter(redis, settings, spec.name, name, classes, backend.cache_stats)
     # the worker's own queues (affinity routing) cost what the shared queue of their class costs
@@ -116,6 +121,17 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     heartbeat = [] if settings.worker_events else ["--without-heartbeat"]
     app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
                      "--without-mingle", *heartbeat, "--pool", "threads", "--concurrency", str(settings.worker_batch)])
+
+
+@contextlib.contextmanager
+def _model_load(model: str) -> Iterator[None]:
+    """A model that cannot be found, read or built ends the process with one line naming the cause (exit 1)."""
+    try:
+        yield
+    except Exception as e:
+        log.debug("loading %s failed", model, exc_info=True)
+        cause = " ".join(str(e).split()) or "(no message)"
+        raise SystemExit(f"vlmq worker: cannot load model {model!r}: {type(e).__name__}: {cause}") from e
 
 
 def _start_reporting(ctx: Any, budget: Any, pairs: list[tuple[str, str]]) -> None:

@@ -1,0 +1,148 @@
+"""`vlmq demo` and `vlmq up` as a user runs them: answers, a clear exit when a child fails, nothing left behind.
+
+Each runs as a real child process (`python -m vlmq.cli ...`) from the repository root with its output captured
+(not a terminal), in its own session so the test can signal it and find every process it started.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from workerproc import alive, descendants
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+BUNDLED = ROOT / "workers" / "assets" / "tiny-shapes"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}, **extra}
+
+
+class Command:
+    """A `vlmq` command in its own session, its merged output read line by line on a thread."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "vlmq.cli", *args], cwd=ROOT, env=env or _env(),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.text = ""
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.put(raw.decode(errors="replace"))
+
+    def wait_for(self, needle: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while needle not in self.text:
+            self.text += self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+
+    def finish(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        self.reader.join(10)
+        while not self.lines.empty():
+            self.text += self.lines.get()
+        return code
+
+    def kill_group(self) -> None:
+        """Leave nothing behind, whatever the test found (its pipe closed too)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.reader.join(10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+def test_demo_answers_every_job_and_logs_progress_as_lines() -> None:
+    demo = Command("demo")
+    try:
+        code = demo.finish(timeout=480)
+    finally:
+        demo.kill_group()
+    assert code == 0, demo.text[-4000:]
+    assert "16/16 finished" in demo.text
+    assert "webhooks: 16/16" in demo.text
+    assert "\r" not in demo.text  # not a terminal: lines, never a redrawn bar
+    assert "/16 jobs" in demo.text  # the progress lines themselves
+
+
+@pytest.fixture
+def broken_model(tmp_path: Path) -> str:
+    """VLMQ_MODELS pointing tiny-shapes at a copy of its folder without weights."""
+    broken = tmp_path / "tiny-shapes"
+    shutil.copytree(BUNDLED, broken)
+    (broken / "model.safetensors").unlink()
+    return f"tiny-shapes={broken}"
+
+
+def test_demo_whose_worker_cannot_load_its_model_exits_quickly_with_the_cause(broken_model: str) -> None:
+    started = time.monotonic()
+    demo = Command("demo", env=_env(VLMQ_MODELS=broken_model))
+    children: dict[int, str] = {}
+    try:
+        demo.wait_for("starting one CPU worker", timeout=60)
+        children = descendants(demo.proc.pid)
+        code = demo.finish(timeout=60)
+    finally:
+        demo.kill_group()
+    elapsed = time.monotonic() - started
+    assert code == 1, demo.text[-4000:]
+    assert elapsed < 30, f"{elapsed:.1f} s"
+    assert "the worker exited with status 1" in demo.text
+    assert "cannot load model 'tiny-shapes': ValueError: no *.safetensors files in" in demo.text  # its log's end
+    assert not [f"{pid} {name}" for pid, name in children.items() if alive(pid)]
+
+
+def _children_once_running(command: Command, needle: str) -> dict[int, str]:
+    command.wait_for(needle, timeout=300)
+    found = descendants(command.proc.pid)
+    assert "valkey-server" in found.values() and len(found) >= 2, found
+    return found
+
+
+def _assert_signal_stops_everything(command: Command, children: dict[int, str], signum: int, code: int) -> None:
+    os.kill(command.proc.pid, signum)  # the process alone, as a supervisor or `kill` sends it
+    assert command.finish(timeout=90) == code, command.text[-3000:]
+    assert not [f"{pid} {name}" for pid, name in children.items() if alive(pid)]
+
+
+def test_sigterm_stops_a_running_demo_and_everything_it_started() -> None:
+    demo = Command("demo", "--jobs", "64")
+    try:
+        children = _children_once_running(demo, "submitted 64 jobs")
+        _assert_signal_stops_everything(demo, children, signal.SIGTERM, 130)
+    finally:
+        demo.kill_group()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_stops_vlmq_up_and_everything_it_started(signum: int) -> None:
+    up = Command("up", "--workers", "1")
+    try:
+        children = _children_once_running(up, "Ctrl-C stops")
+        _assert_signal_stops_everything(up, children, signum, 0)
+    finally:
+        up.kill_group()
+
+
+def test_vlmq_up_whose_worker_cannot_load_its_model_exits_with_the_cause(broken_model: str) -> None:
+    up = Command("up", "--workers", "1", env=_env(VLMQ_MODELS=broken_model))
+    try:
+        code = up.finish(timeout=60)
+    finally:
+        up.kill_group()
+    assert code == 1, up.text[-3000:]
+    assert "the worker 0 exited with status 1" in up.text
+    assert "cannot load model 'tiny-shapes'" in up.text

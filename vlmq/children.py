@@ -1,0 +1,139 @@
+"""The processes ``vlmq demo`` and ``vlmq up`` start: each watched, and every one stopped however they end.
+
+A child that exits, or is not ready within a bound, raises :class:`ChildFailed` with the cause and the last
+lines of its log, so the command stops everything and exits non-zero instead of waiting for ever. SIGTERM and
+SIGHUP stop the command the way Ctrl-C does (:func:`signals_interrupt`), so its clean-up always runs. Usage::
+
+    with signals_interrupt():
+        try:
+            children = [start_child("worker", settings, folder / "worker.log", WORKER_ARGS)]
+            wait_ready(children, timeout=300)
+            ...
+            check_alive(children)          # in every wait loop
+        finally:
+            stop_children(children)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from vlmq.settings import Settings
+
+LOG_TAIL_LINES = 15
+
+
+class ChildFailed(RuntimeError):
+    """A child process exited, or did not get ready in time; the message says which, why, and its log's end."""
+
+
+@dataclass
+class Child:
+    """A started process, what to call it, and the log it writes (None: it writes none)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path | None = None
+    ready_marker: str = " ready."  # what its log says once it serves (Celery's "celery@... ready.")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def is_ready(self) -> bool:
+        return self.log_path is None or self.ready_marker in self.log_path.read_text(errors="replace")
+
+    def failure(self, what: str) -> ChildFailed:
+        where = f" (log: {self.log_path})" if self.log_path else ""
+        tail = self.log_tail()
+        return ChildFailed(f"the {self.name} {what}{where}" + (f"; its last lines:\n{tail}" if tail else ""))
+
+    def check(self) -> None:
+        """Raise :class:`ChildFailed` if the process has exited."""
+        if (code := self.proc.poll()) is not None:
+            raise self.failure(f"exited with status {code}")
+
+
+def start_child(name: str, settings: Settings, log_path: Path, args: Sequence[str]) -> Child:
+    """``python ARGS`` with the settings in its environment, logging to ``log_path``.
+
+    It runs in its own session: Ctrl-C in the terminal reaches only the command that started it, which stops it.
+    """
+    env = {**os.environ, **settings.to_env()}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return Child(name, proc, log_path)
+
+
+def check_alive(children: Sequence[Child]) -> None:
+    """Raise :class:`ChildFailed` for the first child that has exited."""
+    for child in children:
+        child.check()
+
+
+def wait_ready(children: Sequence[Child], timeout: float, poll: float = 0.2) -> None:
+    """Block until every child's log says it is ready; raise :class:`ChildFailed` on an exit or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not all(child.is_ready() for child in children):
+        check_alive(children)
+        if time.monotonic() > deadline:
+            late = next(child for child in children if not child.is_ready())
+            raise late.failure(f"is not ready after {timeout:.0f} s")
+        time.sleep(poll)
+
+
+def stop_children(children: Sequence[Child], timeout: float = 20.0) -> None:
+    """SIGTERM every child at once (Celery's warm shutdown: each hands back or finishes its jobs), then SIGKILL
+    what outlives ``timeout``."""
+    stop_processes([child.proc for child in children], timeout)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
+    """SIGTERM every process at once, then SIGKILL what outlives ``timeout``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt inside the block (as Ctrl-C's SIGINT does), so ``finally``
+    clauses stop the children; on leaving, the previous handlers come back."""
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGTERM, SIGHUP and SIGINT ignored inside the block: a second signal must not cut a clean-up short."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
