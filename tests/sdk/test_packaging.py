@@ -1,6 +1,7 @@
 """Packaging: the SDK stays torch-free; workers/ and kernels/ install under the vlmq namespace."""
 from __future__ import annotations
 
+import site
 import subprocess
 import sys
 import zipfile
@@ -50,3 +51,11 @@ def test_wheel_has_no_generic_top_level_names_and_imports(tmp_path: Path) -> Non
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(target / "vlmq" / "workers")
+    # the same install seen from a checkout's root (the root first on sys.path, the wheel after it, the editable
+    # install's finder off: -S, site-packages on the path without its .pth files): vlmq is the checkout's, whole
+    code = (f"import sys; sys.path[1:1] = [{str(target)!r}, *{site.getsitepackages()!r}]; "
+            "import vlmq.workers.main, vlmq.kernels; "
+            "print(vlmq.__file__); print(vlmq.workers.__file__); print(vlmq.kernels.__file__)")
+    run = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(ROOT / d / "__init__.py") for d in ("vlmq", "workers", "kernels")]
