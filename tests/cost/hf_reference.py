@@ -10,6 +10,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -53,6 +54,18 @@ class Qwen3VLImageProcessor(Qwen3VLProcessor):
 def internvl_processor(image_processor: dict[str, Any], image_seq_length: int) -> InternVLImageProcessor:
     return InternVLImageProcessor(GotOcr2ImageProcessorPil(**image_processor), tokenizer([], INTERNVL_TOKENS),
                                   image_seq_length=image_seq_length)
+
+
+def internvl_context_tokens(processor: InternVLImageProcessor, image_sizes: Sequence[tuple[int, int]]) -> list[int]:
+    """<IMG_CONTEXT> tokens of each (height, width) by the processor's count helper, which counted the <img> and
+    </img> around them up to transformers 5.24 and leaves them out from 5.25: which one is read off a real call
+    (the prompt of one image is the context tokens and the two wrappers)."""
+    size = (56, 40)
+    ids = processor(text=[processor.image_token], images=[Image.new("RGB", size)])["input_ids"][0]
+    counted = processor._get_num_multimodal_tokens(image_sizes=[size[::-1]])["num_image_tokens"][0]
+    wrappers_counted = {len(ids): 2, len(ids) - 2: 0}[counted]  # a third way of counting fails here, loudly
+    counts = processor._get_num_multimodal_tokens(image_sizes=list(image_sizes))["num_image_tokens"]
+    return [int(n) - wrappers_counted for n in counts]
 
 
 def llava_next_processor(image_processor: dict[str, Any], **processor: Any) -> LlavaNextProcessor:

@@ -16,6 +16,7 @@ import pytest
 from hf_reference import (
     INTERNVL_TOKENS,
     InternVLImageProcessor,
+    internvl_context_tokens,
     internvl_processor,
     llava_next_processor,
     parity_sizes,
@@ -104,8 +105,7 @@ def test_internvl_matches_the_processor(name: str) -> None:
     reference = processor._get_num_multimodal_tokens(image_sizes=INTERNVL_SIZES)
     policy = _internvl_policy(name)
     ours = [estimate(w, h, policy) for h, w in INTERNVL_SIZES]
-    # the processor wraps the image's context tokens in <img> ... </img>
-    assert [c.vision_tokens + 2 for c in ours] == reference["num_image_tokens"]
+    assert [c.vision_tokens for c in ours] == internvl_context_tokens(processor, INTERNVL_SIZES)
     assert [c.num_tiles for c in ours] == reference["num_image_patches"]
     assert all(c.encoder_patches == c.num_tiles * policy.patches_per_tile for c in ours)
 

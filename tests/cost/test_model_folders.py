@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hf_reference import internvl_processor, llava_next_processor, qwen3_vl_processor
+from hf_reference import internvl_context_tokens, internvl_processor, llava_next_processor, qwen3_vl_processor
 from PIL import Image
 from transformers import InternVLConfig, LlavaNextConfig, Qwen3VLConfig
 
@@ -61,8 +61,9 @@ POLICY_TYPES = {"internvl": InternVLPolicy, "llava_next": LlavaNextPolicy, "qwen
 
 
 def _tokens(processor: Any, family: str, height: int, width: int) -> int:
-    count = processor._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0]
-    return int(count) - (2 if family == "internvl" else 0)  # InternVL's count includes <img> and </img>
+    if family == "internvl":
+        return internvl_context_tokens(processor, [(height, width)])[0]
+    return int(processor._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0])
 
 
 @pytest.mark.parametrize("family", sorted(WRITERS))

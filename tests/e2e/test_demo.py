@@ -146,3 +146,13 @@ def test_vlmq_up_whose_worker_cannot_load_its_model_exits_with_the_cause(broken_
     assert code == 1, up.text[-3000:]
     assert "the worker 0 exited with status 1" in up.text
     assert "cannot load model 'tiny-shapes'" in up.text
+
+
+def test_vlmq_worker_that_cannot_load_its_model_exits_with_one_line(broken_model: str, redis_url: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "vlmq.cli", "worker", "--model", "tiny-shapes", "--device", "cpu"],
+                         cwd=ROOT, env=_env(VLMQ_MODELS=broken_model, VLMQ_BROKER_URL=redis_url),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        f"vlmq worker: cannot load model 'tiny-shapes': ValueError: no *.safetensors files in "
+        f"{broken_model.split('=', 1)[1]}; save the checkpoint with safe_serialization"]
