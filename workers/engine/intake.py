@@ -24,7 +24,9 @@ from .sequence import FinishReason, ImagePlaceholder, SamplingParams, Sequence
 
 @dataclass(slots=True)
 class Request:
-    image: Any  # PIL.Image.Image in mode RGB
+    """One image and a question (one user turn), or with `messages` a whole chat and its `images`."""
+
+    image: Any  # PIL.Image.Image in mode RGB (None with messages)
     question: str
     max_new_tokens: int = 64
     ignore_eos: bool = False  # generate exactly max_new_tokens
@@ -35,6 +37,14 @@ class Request:
     # cross-request cache isolation: requests share encoder outputs, prefix KV and archived KV only with requests
     # of the same salt (the worker gives a tenant's jobs the tenant's; None: shared with every unsalted request)
     cache_salt: str | None = None
+    # a chat in OpenAI's turns (system, developer, user, assistant; content a string or text and image parts, an
+    # image part {"type": "image"}), rendered by the model's chat template; instead of image and question
+    messages: list[dict] | None = None
+    images: tuple[Any, ...] = ()  # with messages: PIL RGB images in the order of the image parts (none: text only)
+
+    @classmethod
+    def chat(cls, messages: list[dict], images: tuple[Any, ...] = (), **options: Any) -> Request:
+        return cls(None, "", messages=messages, images=tuple(images), **options)
 
 
 @dataclass(slots=True)
@@ -76,27 +86,40 @@ class Preprocessor:
         return self.chat.ids(question, num_image_tokens)
 
     def __call__(self, request_id: str, req: Request) -> Prepared:
-        if req.image is None:
-            raise RequestRejected("a request needs an image (PIL RGB); text-only prompts are not supported",
-                                  "invalid_image")
+        messages, images = _chat(req)
         sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature,
                                   req.seed)
-        check_text_tokens(len(self.prompt_ids(req.question)) - 1, req)
+        check_text_tokens(self._text_tokens(req, messages, len(images)), req)
         try:
-            pixel_values, grid_thw = self.image_preprocessor([req.image])  # patches [P, D] or tiles [T, 3, S, S]
+            pixel_values, grid_thw = self.image_preprocessor(list(images))  # patches [P, D] or tiles [T, 3, S, S]
         except ValueError as e:
             raise RequestRejected(str(e), "invalid_image") from e
-        ((num_patches, num_tokens),) = self.model.image_counts(grid_thw)  # encoder patches, LM tokens
-        ids = self.prompt_ids(req.question, num_tokens)
-        at = ids.index(self.image_token_id)
+        counts = self.model.image_counts(grid_thw)  # (encoder patches, LM tokens) of each image
+        ids, offsets = self._ids(req, messages, [tokens for _, tokens in counts])
         positions, delta = self.positions(ids, grid_thw, req.max_new_tokens)
         # Without sharing, every request gets its own key: no encoder-cache or image-prefix reuse across requests.
         settings = self.settings if self.share else {**self.settings, "request": request_id}
-        key = make_key(pixel_hash(req.image), self.model_id, settings, req.cache_salt)
-        image = ImagePlaceholder(key, at, num_tokens, num_patches)
-        seq = Sequence(request_id, ids, images=(image,), sampling=sampling, priority=req.priority,
+        placeholders = tuple(ImagePlaceholder(make_key(pixel_hash(image), self.model_id, settings, req.cache_salt),
+                                              at, num_tokens, num_patches)
+                             for image, at, (num_patches, num_tokens) in zip(images, offsets, counts, strict=True))
+        seq = Sequence(request_id, ids, images=placeholders, sampling=sampling, priority=req.priority,
                        cache_salt=req.cache_salt or "")
         return Prepared(seq, pixel_values, grid_thw, positions, delta)
+
+    def _ids(self, req: Request, messages: list[dict], num_tokens: list[int]) -> tuple[list[int], list[int]]:
+        if req.messages is None:  # one image and a question: the cached single-turn path
+            ids = self.prompt_ids(req.question, num_tokens[0])
+            return ids, [ids.index(self.image_token_id)]
+        try:
+            return self.chat.messages_ids(messages, num_tokens)
+        except ValueError as e:  # a template that places images elsewhere than the image parts say
+            raise RequestRejected(str(e), "invalid_prompt") from e
+
+    def _text_tokens(self, req: Request, messages: list[dict], num_images: int) -> int:
+        # prompt tokens but the images' own (each image's placeholder counted as one image token)
+        if req.messages is None:
+            return len(self.prompt_ids(req.question)) - 1
+        return len(self._ids(req, messages, [1] * num_images)[0]) - num_images
 
     def positions(self, ids: list[int], grid_thw: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, int]:
         try:
@@ -111,6 +134,23 @@ class Preprocessor:
                 f"{max_new_tokens}); the model has {self.model.max_positions}; shorten the prompt or lower "
                 "max_new_tokens", "prompt_too_long")
         return positions, delta
+
+
+def _chat(req: Request) -> tuple[list[dict], tuple[Any, ...]]:
+    """The request as chat messages and their images; refuses a request without an image or messages."""
+    if req.messages is not None:
+        if sum(_image_parts(m) for m in req.messages) != len(req.images):
+            raise RequestRejected(f"the messages have {sum(_image_parts(m) for m in req.messages)} image parts and "
+                                  f"the request {len(req.images)} images", "invalid_prompt")
+        return req.messages, req.images
+    if req.image is None:
+        raise RequestRejected("a request needs an image (PIL RGB) and a question, or messages", "invalid_image")
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": req.question}]}], (req.image,)
+
+
+def _image_parts(message: dict) -> int:
+    content = message.get("content")
+    return 0 if isinstance(content, str) else sum(part.get("type") == "image" for part in content or ())
 
 
 def check_text_tokens(num_text_tokens: int, req: Request) -> None:

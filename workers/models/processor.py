@@ -22,6 +22,7 @@ parity tests and the benchmarks see the same pixels as the engine on every machi
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -142,6 +143,25 @@ def render_prompt(processor, question: str) -> str:
 _QUESTION = "\x00question\x00"  # stands for the user's text when the chat template is rendered
 
 
+_STAND_IN = re.compile("\x00(\\d+)\x00")  # text number i stands in the rendered template as NUL i NUL
+
+
+def _stand_in_message(message: dict, texts: list[str]) -> dict:
+    """The message with each text replaced by its stand-in (appended to `texts`); image parts kept."""
+    content = message["content"]
+    if isinstance(content, str):
+        texts.append(content)
+        return {**message, "content": f"\x00{len(texts) - 1}\x00"}
+    parts = []
+    for part in content:
+        if part["type"] == "text":
+            texts.append(part["text"])
+            parts.append({"type": "text", "text": f"\x00{len(texts) - 1}\x00"})
+        else:
+            parts.append({"type": "image"})
+    return {**message, "content": parts}
+
+
 class ChatPrompt:
     """`render_prompt` as token ids, with the user's text tokenized as plain text: an image token or
     `<|im_start|>` a user types is text, never a control token (transformers' processor would parse it as one).
@@ -159,6 +179,8 @@ class ChatPrompt:
         self.head, self.tail = self._tokenize(head, add_special_tokens=True), self._tokenize(tail)
         self._cache: dict[str, list[int]] = {}  # question -> ids with one image pad
         self._cache_size = cache_size  # bounded: prompts are free-form text
+        self.processor = processor
+        self._shapes: dict[str, list[tuple[str, list[int]]]] = {}  # chat shape -> template segments
 
     def ids(self, question: str, num_image_tokens: int = 1) -> list[int]:
         """The prompt's ids with the image placeholder expanded for `num_image_tokens` LM tokens (`image_span`)."""
@@ -170,6 +192,53 @@ class ChatPrompt:
             self._cache[question] = ids
         at = ids.index(self.image_token_id)
         return ids[:at] + self.image_span(num_image_tokens) + ids[at + 1:]
+
+    def messages_ids(self, messages: list[dict], num_image_tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Ids of a whole chat (OpenAI-style turns; image parts ``{"type": "image"}``), the assistant turn opened,
+        each image placeholder expanded for its image's LM tokens in order, and the offset of each image's first
+        image token. Every text, whatever its role, is tokenized as plain text; the template is rendered once per
+        shape of the chat (roles, part kinds), so its own logic must not depend on the texts.
+
+        Raises ValueError when the template placed another number of images than `num_image_tokens` has."""
+        texts: list[str] = []
+        shape = [_stand_in_message(m, texts) for m in messages]
+        segments = self._segments(shape)
+        ids: list[int] = []
+        for kind, value in segments:
+            ids += value if kind == "ids" else self._tokenize("".join(texts[i] for i in value), plain=True)
+        spans = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(spans) != len(num_image_tokens):
+            raise ValueError(f"the chat template placed {len(spans)} images; the request has {len(num_image_tokens)}")
+        out: list[int] = []
+        offsets: list[int] = []
+        start = 0
+        for at, n in zip(spans, num_image_tokens, strict=True):
+            out += ids[start:at]
+            span = self.image_span(n)
+            offsets.append(len(out) + span.index(self.image_token_id))
+            out += span
+            start = at + 1
+        return out + ids[start:], offsets
+
+    def _segments(self, shape: list[dict]) -> list[tuple[str, list[int]]]:
+        # ("ids", template token ids) and ("text", [indices of texts rendered side by side]), in prompt order
+        key = json.dumps(shape, sort_keys=True)
+        if (cached := self._shapes.get(key)) is not None:
+            return cached
+        rendered = self.processor.apply_chat_template(shape, tokenize=False, add_generation_prompt=True)
+        segments: list[tuple[str, list[int]]] = []
+        for n, piece in enumerate(_STAND_IN.split(rendered)):
+            if n % 2:  # a text's index
+                if segments and segments[-1][0] == "text":
+                    segments[-1][1].append(int(piece))
+                else:
+                    segments.append(("text", [int(piece)]))
+            elif piece:
+                segments.append(("ids", self._tokenize(piece, add_special_tokens=not segments)))
+        if len(self._shapes) >= self._cache_size:
+            self._shapes.clear()
+        self._shapes[key] = segments
+        return segments
 
     def _tokenize(self, text: str, *, add_special_tokens: bool = False, plain: bool = False) -> list[int]:
         # plain: control-token strings in `text` are split like any other text (split_special_tokens)
