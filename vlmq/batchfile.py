@@ -30,12 +30,15 @@ from vlmq.errors import InvalidRequest
 
 ENDPOINT = "/v1/chat/completions"
 MAX_CUSTOM_ID_CHARS = 512
+MAX_JSON_DEPTH = 32  # a request needs 7 levels (line, body, messages, message, content, part, image_url)
 # body fields accepted and not applied (vlmq samples by temperature alone, one answer per request)
 IGNORED_BODY_FIELDS = frozenset({"top_p", "user", "metadata", "store", "service_tier", "frequency_penalty",
                                  "presence_penalty", "stop", "logprobs", "top_logprobs"})
 _BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "temperature",
                           "seed"})
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included
+_BRACKET = re.compile(r"[\[\]{}]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,7 @@ def parse_line(number: int, text: str, base_dir: Path) -> BatchLine:
     Raises:
         InvalidRequest: the line is not a valid request (``code`` says which rule).
     """
+    check_depth(text)
     try:
         item = json.loads(text)
     except ValueError as e:
@@ -102,6 +106,7 @@ def parse_line(number: int, text: str, base_dir: Path) -> BatchLine:
     if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
         raise InvalidRequest(f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters",
                              code="bad_custom_id")
+    rules.check_utf8(custom_id, "custom_id", "bad_custom_id")
     if item.get("method") != "POST":
         raise InvalidRequest(f"method must be \"POST\", got {item.get('method')!r}", code="bad_method")
     if item.get("url") != ENDPOINT:
@@ -110,6 +115,20 @@ def parse_line(number: int, text: str, base_dir: Path) -> BatchLine:
     if not isinstance(body, dict):
         raise InvalidRequest("body must be an object", code="bad_body")
     return _parse_body(number, custom_id, body, base_dir)
+
+
+def check_depth(text: str) -> None:
+    """Refuse JSON nested deeper than ``MAX_JSON_DEPTH`` before parsing it (``json.loads`` would recurse until
+    ``RecursionError``, at a depth that depends on the caller's stack).
+
+    Raises:
+        InvalidRequest: ``bad_json``.
+    """
+    depth = 0
+    for bracket in _BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket[0] in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"not JSON vlmq accepts: nested deeper than {MAX_JSON_DEPTH} levels", code="bad_json")
 
 
 def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Path) -> BatchLine:

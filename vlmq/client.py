@@ -202,9 +202,11 @@ class Client:
         """
         window = batches.window_seconds(completion_window)
         batch_id, created = batches.new_batch_id(self.tenant), now()
-        fields = {"endpoint": "/v1/chat/completions", "input_file": str(path), "completion_window": completion_window,
+        # a path may hold bytes that are not UTF-8 (os.fsdecode's surrogates): kept readable, never failing in Redis
+        shown = str(path).encode("utf-8", "backslashreplace").decode()
+        fields = {"endpoint": "/v1/chat/completions", "input_file": shown, "completion_window": completion_window,
                   "created_at": repr(created), "expires_at": repr(created + window),
-                  "metadata": json.dumps(dict(metadata or {}))}
+                  "metadata": json.dumps(batches.check_metadata(metadata))}
         webhook = self.settings.webhook_url if webhook is None else webhook
         if webhook:
             fields["webhook"] = check_webhook(webhook, self.settings.webhook_allow)
@@ -244,7 +246,7 @@ class Client:
         prepared, lines, errors, seen = [], [], [], set()
         try:
             numbered = list(read_lines(path))
-        except (OSError, UnicodeDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8, or a NUL or lone surrogate in the path
             raise InvalidRequest(f"cannot read batch file {str(path)!r}: {e}", code="bad_batch_file") from e
         for number, text in numbered:
             try:

@@ -36,7 +36,6 @@ Error codes: ``empty_image``, ``image_too_large``, ``not_an_image``,
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import hashlib
 import io
@@ -405,7 +404,7 @@ def _from_data_url(url: str, limits: ImageLimits) -> bytes:
         raise _too_large(len(payload) * 3 // 4, limits)
     try:
         return base64.b64decode(payload, validate=True)
-    except binascii.Error as e:
+    except ValueError as e:  # binascii.Error, or a character that is not ASCII
         raise InvalidRequest(f"the data: URL is not valid base64: {e}", code="bad_image_source") from e
 
 
@@ -413,9 +412,11 @@ def _from_path(path: Path, limits: ImageLimits) -> bytes:
     try:
         with path.open("rb") as f:
             return _read_stream(f, limits)
+    except InvalidRequest:
+        raise
     except FileNotFoundError as e:
         raise InvalidRequest(f"no image file at {str(path)!r}", code="image_not_found") from e
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL or a lone surrogate in the path
         raise InvalidRequest(f"cannot read image file {str(path)!r}: {e}", code="bad_image_source") from e
 
 

@@ -113,6 +113,8 @@ def split_url(url: object) -> tuple[str, str, int]:
         raise Refused(f"a webhook must be an http(s) URL of at most {MAX_URL_CHARS} characters")
     if any(c.isspace() or ord(c) < 32 for c in url):
         raise Refused("a webhook URL must not contain spaces or control characters")
+    if not url.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in url):
+        raise Refused("a webhook URL must be valid Unicode text (it holds a lone surrogate such as \\ud800)")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise Refused(f"a webhook must be an http:// or https:// URL, got scheme {parts.scheme!r}")

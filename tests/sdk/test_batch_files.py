@@ -109,6 +109,55 @@ def test_every_bad_line_is_refused_with_its_number_and_nothing_is_enqueued(clien
     assert failed["status"] == "failed" and [e["line"] for e in failed["errors"]["data"]] == expected
 
 
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_what_enqueueing_would_fail_on_is_refused_at_parse_time_with_the_lines_number(client: Client,
+                                                                                      tmp_path: Path) -> None:
+    # Issue 36 item 6: line 501's lone surrogate used to pass every rule and fail UTF-8 at enqueue, after the first
+    # 500 jobs were enqueued; deep nesting raised RecursionError out of submit_batch
+    (tmp_path / "img.png").write_bytes(png())
+    good = [line(f"ok-{i}", "img.png") for i in range(500)]
+    bad = [line("x1", "img.png", text="What is \ud800?"),  # json.dumps writes the escape "\ud800"
+           line("\udc80", "img.png"),
+           line("x3", "img.png").replace('"max_tokens": 4', f'"stop": {nested(100_000)}, "max_tokens": 4'),
+           line("x4", "img.png").replace('"max_tokens": 4', f'"stop": {nested(33)}, "max_tokens": 4'),
+           line("x5", "img\u0000.png"), line("x6", "img\ud800.png"), line("x7", "data:image/png;base64,\u00e9")]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(good + bad) + "\n")
+    with pytest.raises(BatchInvalid) as err:
+        client.submit_batch(path, metadata={"team": "vision"})
+    codes = {e.line: e.code for e in err.value.errors}
+    assert codes == {501: "bad_prompt", 502: "bad_custom_id", 503: "bad_json", 504: "bad_json",
+                     505: "bad_image_source", 506: "bad_image_source", 507: "bad_image_source"}, codes
+    assert "line 501: bad_prompt: prompt is not valid Unicode text" in str(err.value)
+    assert "nested deeper than 32 levels" in str(err.value)
+    assert queued(client) == 0 and not client.redis.keys(keys.job("*"))
+    assert client.batch(err.value.batch_id).refresh()["status"] == "failed"
+    with pytest.raises(InvalidRequest) as bad_metadata:
+        client.submit_batch(path, metadata={"team": {"nested": "dict"}})  # type: ignore[dict-item]
+    assert bad_metadata.value.code == "bad_metadata"
+    path.write_text("\n".join(good) + "\n")
+    assert client.submit_batch(path).refresh()["request_counts"]["total"] == 500 and queued(client) == 500
+
+
+def test_submit_refuses_text_that_is_not_utf8_as_invalid_request(client: Client) -> None:
+    cases = [({"prompt": "What is \ud800?"}, "bad_prompt"), ({"idempotency_key": "k\ud800"}, "bad_idempotency_key"),
+             ({"webhook": "https://hooks.example.com/\ud800"}, "bad_webhook"),
+             ({"image": "img\x00.png"}, "bad_image_source"), ({"image": "data:image/png;base64,\u00e9"},
+                                                                "bad_image_source")]
+    for change, code in cases:
+        request = {"image": png(), "prompt": "How many shapes?"} | change
+        with pytest.raises(InvalidRequest) as err:
+            client.submit(request.pop("image"), request.pop("prompt"), **request)
+        assert err.value.code == code, (change, err.value)
+        with pytest.raises(InvalidRequest) as err:
+            client.submit_many([{"image": png(), "prompt": "How many shapes?"} | change])
+        assert err.value.code == code
+    assert queued(client) == 0 and not client.redis.keys(keys.job("*"))
+
+
 def test_cancel_stops_every_queued_request_with_consistent_counts(client: Client, tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     path.write_text("".join(line(f"r{i}", data_url(png(40 + i, 40))) + "\n" for i in range(30)))

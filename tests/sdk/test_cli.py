@@ -144,3 +144,6 @@ def test_batch_commands(pool, capsys, tmp_path: Path) -> None:
     bad.write_text('{"custom_id": "x"}\n')
     code, _, err = run(capsys, "batch", "submit", str(bad), *flags)
     assert code == 1 and "line 1: bad_method" in err
+    bad.write_text('{"custom_id": "x", "body": ' + "[" * 100_000 + "]" * 100_000 + "}\n")  # issue 36 item 6
+    code, _, err = run(capsys, "batch", "submit", str(bad), *flags)
+    assert code == 1 and "line 1: bad_json" in err and "nested deeper than 32 levels" in err
