@@ -458,8 +458,8 @@ class Client:
 
     def _store_input(self, item: _Prepared) -> None:
         input_key = keys.input_object(item.sha256, self.tenant)
-        if not self.storage.exists(input_key):
-            self.storage.put(input_key, item.data)
+        if not self.storage.holds(input_key, item.sha256):  # other bytes at this address are replaced
+            self.storage.put_addressed(input_key, item.data)
 
     def _record(self, job_id: str, item: _Prepared) -> dict[str, Any]:
         cost, request, stamp = item.cost, item.request, repr(now())

@@ -10,6 +10,7 @@ import re
 import time
 
 import pytest
+from inputs import scene_png
 from PIL import Image
 from workerproc import TINY_CLASSES, WorkerProcess
 
@@ -22,14 +23,6 @@ from vlmq.workers.main import ASSETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 QUESTION_B = "What color is the largest shape?"
-
-
-def scene_png(seed: int) -> bytes:
-    from tiny.shapes import make_example
-
-    buf = io.BytesIO()
-    make_example((777, seed), size=(320, 240)).image.save(buf, "PNG")
-    return buf.getvalue()
 
 
 def tier_counts(worker: WorkerProcess) -> dict[str, int]:
