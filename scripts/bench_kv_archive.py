@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -45,6 +46,9 @@ def timed(engine: Engine, req: Request) -> dict:
             "token_ids": out.token_ids}
 
 
+ARCHIVE_KEY = secrets.token_bytes(32)  # this run's workers' VLMQ_KV_ARCHIVE_KEY
+
+
 def image_tokens(engine: Engine, img: Image.Image) -> int:
     return engine.preprocessor("probe", Request(img, "?")).seq.images[0].num_tokens
 
@@ -52,7 +56,8 @@ def image_tokens(engine: Engine, img: Image.Image) -> int:
 def engine_with(model_dir: Path, storage, prefix: str | None) -> Engine:
     store = None
     if prefix is not None:
-        store = KVStore(weights_identity(model_dir), KVStoreConfig(), S3Storage(storage[0], prefix, storage[1]))
+        store = KVStore(weights_identity(model_dir), KVStoreConfig(archive_key=ARCHIVE_KEY),
+                        S3Storage(storage[0], prefix, storage[1]))
     return Engine.from_model_dir(model_dir, num_blocks=512, max_num_batched_tokens=4096,
                                  long_prefill_chunk_size=4096, kv_store=store)
 

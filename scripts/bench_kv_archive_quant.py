@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import tempfile
 import time
 from pathlib import Path
@@ -26,12 +27,14 @@ from vlmq.workers.main import ASSETS
 
 MODEL = Path(ASSETS) / "tiny-shapes"
 MAX_NEW = 32
+ARCHIVE_KEY = secrets.token_bytes(32)  # this run's workers' VLMQ_KV_ARCHIVE_KEY
 
 
 def engine(storage: FileStorage | None, quant: str) -> Engine:
     store = None
     if storage is not None:
-        config = KVStoreConfig(host_bytes=0, quant=quant, always_fetch=True)  # every restore from the archive
+        # every restore from the archive; this run's key signs it
+        config = KVStoreConfig(host_bytes=0, quant=quant, always_fetch=True, archive_key=ARCHIVE_KEY)
         store = KVStore(weights_identity(MODEL), config, storage)
     return Engine.from_model_dir(MODEL, num_blocks=4096, kv_store=store)
 

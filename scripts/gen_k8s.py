@@ -201,7 +201,8 @@ def secret_example() -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET}, "type": "Opaque",
             "stringData": {env_name("broker_url"): "redis://:CHANGE-ME@valkey.vlmq.svc:6379/0",
                            REDIS_PASSWORD_KEY: "CHANGE-ME", "AWS_ACCESS_KEY_ID": "CHANGE-ME",
-                           "AWS_SECRET_ACCESS_KEY": "CHANGE-ME"}}
+                           "AWS_SECRET_ACCESS_KEY": "CHANGE-ME",
+                           env_name("kv_archive_key"): "CHANGE-ME-openssl-rand-hex-32"}}
 
 
 def delivery_deployment() -> dict[str, Any]:

@@ -18,11 +18,11 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vlmq import keys
+from vlmq import keys, rules
 from vlmq.errors import InvalidRequest, JobNotFound, JobTimeout
 from vlmq.storage import Storage
 from vlmq.store import JobStatus, JobStore, WireEnum, decode_record, now, transition_args, transition_reply
@@ -83,6 +83,20 @@ def window_seconds(window: str) -> int:
         raise InvalidRequest(f"completion_window must look like 24h, 90m, 2d or 30s, got {window!r}",
                              code="bad_completion_window")
     return int(match[1]) * _UNIT[match[2]]
+
+
+def check_metadata(metadata: object) -> dict[str, str]:
+    """A batch's ``metadata``: string keys and values (OpenAI's rule), each valid text.
+
+    Raises:
+        InvalidRequest: ``bad_metadata``.
+    """
+    pairs = dict(metadata or {}) if metadata is None or isinstance(metadata, Mapping) else None
+    if pairs is None or not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs.items()):
+        raise InvalidRequest("metadata must map strings to strings", code="bad_metadata")
+    for key, value in pairs.items():
+        rules.check_utf8(key + value, f"metadata {key[:40]!r}", "bad_metadata")
+    return pairs
 
 
 def new_batch_id(tenant: str | None) -> str:

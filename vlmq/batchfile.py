@@ -10,11 +10,14 @@ A line looks like::
 
 Each request names exactly one image (an ``image_url`` part): a ``data:`` URL, an ``s3://`` URI in the pool's
 storage, a ``file://`` URL or a local path (relative paths are read from the batch file's folder). Nothing is
-fetched from the network. The text of system and user messages, in order, is the job's prompt.
+fetched from the network. A batch file may come from someone else, so local paths and ``file://`` URLs must
+lead (symlinks resolved) into the batch file's folder unless the caller passes ``allow_outside_paths``; only
+regular files are read (``vlmq.images``). The text of system and user messages, in order, is the job's prompt.
 ``temperature`` (0 to 2) and ``seed`` are applied as ``Client.submit`` applies them; unlike OpenAI, a body without
 ``temperature`` is decoded greedily (temperature 0). The other sampling parameters (``top_p``, penalties,
 ``stop``, ``logprobs``, ...) are accepted and not applied (``IGNORED_BODY_FIELDS``).
-Parsing here is pure (no I/O besides the file itself); ``Client.submit_batch`` then loads and prices each image.
+Parsing here reads nothing but the file itself (local paths are resolved, not opened); ``Client.submit_batch``
+then loads and prices each distinct image once.
 """
 from __future__ import annotations
 
@@ -27,15 +30,19 @@ from typing import Any
 
 from vlmq import rules
 from vlmq.errors import InvalidRequest
+from vlmq.images import file_url_path
 
 ENDPOINT = "/v1/chat/completions"
 MAX_CUSTOM_ID_CHARS = 512
+MAX_JSON_DEPTH = 32  # a request needs 7 levels (line, body, messages, message, content, part, image_url)
 # body fields accepted and not applied (vlmq samples by temperature alone, one answer per request)
 IGNORED_BODY_FIELDS = frozenset({"top_p", "user", "metadata", "store", "service_tier", "frequency_penalty",
                                  "presence_penalty", "stop", "logprobs", "top_logprobs"})
 _BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "temperature",
                           "seed"})
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included
+_BRACKET = re.compile(r"[\[\]{}]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +54,7 @@ class BatchLine:
         custom_id: the caller's id, copied to the output and error files.
         model: the ``body.model``.
         prompt: the text parts of the messages, joined by blank lines.
-        image: the image reference (``data:`` URL, ``s3://`` URI, ``file://`` URL or an absolute path).
+        image: the image reference (``data:`` URL, ``s3://`` URI, or an absolute path with symlinks resolved).
         max_new_tokens: ``max_completion_tokens`` or ``max_tokens`` (None: the client's default).
         temperature: ``temperature`` (absent or null: 0, greedy).
         seed: ``seed`` (absent or null: None).
@@ -83,12 +90,14 @@ def read_lines(path: str | Path) -> Iterator[tuple[int, str]]:
                 yield number, text
 
 
-def parse_line(number: int, text: str, base_dir: Path) -> BatchLine:
-    """Parse one line; relative image paths are resolved against ``base_dir``.
+def parse_line(number: int, text: str, base_dir: Path, allow_outside_paths: bool = False) -> BatchLine:
+    """Parse one line; relative image paths are resolved against ``base_dir`` and must stay inside it unless
+    ``allow_outside_paths``.
 
     Raises:
         InvalidRequest: the line is not a valid request (``code`` says which rule).
     """
+    check_depth(text)
     try:
         item = json.loads(text)
     except ValueError as e:
@@ -102,6 +111,7 @@ def parse_line(number: int, text: str, base_dir: Path) -> BatchLine:
     if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
         raise InvalidRequest(f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters",
                              code="bad_custom_id")
+    rules.check_utf8(custom_id, "custom_id", "bad_custom_id")
     if item.get("method") != "POST":
         raise InvalidRequest(f"method must be \"POST\", got {item.get('method')!r}", code="bad_method")
     if item.get("url") != ENDPOINT:
@@ -109,10 +119,24 @@ def parse_line(number: int, text: str, base_dir: Path) -> BatchLine:
     body = item.get("body")
     if not isinstance(body, dict):
         raise InvalidRequest("body must be an object", code="bad_body")
-    return _parse_body(number, custom_id, body, base_dir)
+    return _parse_body(number, custom_id, body, base_dir, allow_outside_paths)
 
 
-def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Path) -> BatchLine:
+def check_depth(text: str) -> None:
+    """Refuse JSON nested deeper than ``MAX_JSON_DEPTH`` before parsing it (``json.loads`` would recurse until
+    ``RecursionError``, at a depth that depends on the caller's stack).
+
+    Raises:
+        InvalidRequest: ``bad_json``.
+    """
+    depth = 0
+    for bracket in _BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket[0] in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"not JSON vlmq accepts: nested deeper than {MAX_JSON_DEPTH} levels", code="bad_json")
+
+
+def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Path, anywhere: bool) -> BatchLine:
     unknown = sorted(set(body) - _BODY_FIELDS - IGNORED_BODY_FIELDS)
     if unknown:
         raise InvalidRequest(f"body field(s) {', '.join(unknown)} are not supported", code="unsupported_field")
@@ -131,7 +155,7 @@ def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Pat
     seed = body.get("seed")
     rules.check_temperature(temperature)
     rules.check_seed(seed)
-    return BatchLine(number, custom_id, body["model"], "\n\n".join(texts), _image_ref(images[0], base_dir),
+    return BatchLine(number, custom_id, body["model"], "\n\n".join(texts), _image_ref(images[0], base_dir, anywhere),
                      limit, temperature, seed)
 
 
@@ -163,11 +187,31 @@ def _part(part: object, i: int, texts: list[str], images: list[str]) -> None:
                              code="bad_messages")
 
 
-def _image_ref(url: str, base_dir: Path) -> str:
+def _image_ref(url: str, base_dir: Path, anywhere: bool) -> str:
     lowered = url[:8].lower()
-    if lowered.startswith(("data:", "s3://", "file://")):
+    if lowered.startswith(("data:", "s3://")):
         return url
+    if lowered.startswith("file://"):
+        return str(local_path(file_url_path(url), base_dir, anywhere))
     if _SCHEME.match(url):
         raise InvalidRequest(f"image_url {url[:60]!r}: workers never fetch from the network; use a data: URL, an "
                              "s3:// URI in the pool's storage or a local path", code="bad_image_source")
-    return str(base_dir / url) if url else url
+    return str(local_path(base_dir / url, base_dir, anywhere)) if url else url
+
+
+def local_path(path: Path, base_dir: Path, anywhere: bool = False) -> Path:
+    """``path`` with symlinks resolved, refused outside ``base_dir`` unless ``anywhere`` (nothing is opened, so a
+    refused path says nothing about what exists there).
+
+    Raises:
+        InvalidRequest: ``image_outside_folder``; ``bad_image_source`` for a path with a NUL or a lone surrogate.
+    """
+    try:
+        resolved, base = path.resolve(), base_dir.resolve()
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        raise InvalidRequest(f"bad image path {str(path)[:80]!r}: {e}", code="bad_image_source") from None
+    if not anywhere and not resolved.is_relative_to(base):
+        raise InvalidRequest(f"image path {str(path)[:80]!r} leads outside the batch file's folder {str(base)!r}; "
+                             "put the image there, or pass allow_outside_paths=True (vlmq batch submit "
+                             "--allow-outside-paths) for a batch file you trust", code="image_outside_folder")
+    return resolved

@@ -20,7 +20,8 @@ def _ended_well(batch: dict[str, Any]) -> bool:
 def _submit(args: argparse.Namespace, client_of: ClientFactory) -> int:
     with client_of(args) as client:
         batch = client.submit_batch(args.file, completion_window=args.completion_window, priority=args.priority,
-                                    max_new_tokens=args.max_tokens, webhook=args.webhook)
+                                    max_new_tokens=args.max_tokens, webhook=args.webhook,
+                                    allow_outside_paths=args.allow_outside_paths)
         if args.wait:
             return _follow(batch, args)
         emit(batch.refresh(), args.json, [batch.id] if not args.json else None)
@@ -89,6 +90,8 @@ def add_batch(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     p.add_argument("--priority", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128, help="for lines without max_tokens (default 128)")
     p.add_argument("--webhook", help="http(s) URL sent batch.completed when it ends (default VLMQ_WEBHOOK_URL)")
+    p.add_argument("--allow-outside-paths", action="store_true",
+                   help="let image paths lead outside the batch file's folder (only for a batch file you trust)")
     p.add_argument("--wait", action="store_true", help="follow it to the end (exit 1 if any request failed)")
     p.add_argument("--timeout", type=float, default=None)
     p.set_defaults(func=lambda a: _submit(a, client_of))

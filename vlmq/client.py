@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
@@ -38,6 +38,14 @@ log = logging.getLogger(__name__)
 CHUNK = 500  # jobs per Redis transaction (records, messages and wake tokens in one round trip)
 INPUT_THREADS = 16  # concurrent input uploads of one submit_many
 WAKE_TTL = 10  # seconds an unclaimed wake token lives
+
+
+class _Input(NamedTuple):
+    """An image read and probed (shared by every request of a batch that names it)."""
+
+    data: bytes
+    info: ImageInfo
+    sha256: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,10 +184,11 @@ class Client:
 
     def submit_batch(self, path: str | Path, *, completion_window: str = "24h", priority: int = DEFAULT_PRIORITY,
                      max_new_tokens: int = 128, metadata: Mapping[str, str] | None = None,
-                     webhook: str | None = None) -> batches.Batch:
+                     webhook: str | None = None, allow_outside_paths: bool = False) -> batches.Batch:
         """Submit a batch file in the OpenAI Batch format (``vlmq.batchfile``): one job per line.
 
-        Every line is parsed and its image loaded and priced before anything is enqueued.
+        Every line is parsed and its image loaded and priced before anything is enqueued; each distinct image
+        is read once, however many lines name it.
 
         Args:
             path: the JSONL file.
@@ -190,6 +199,8 @@ class Client:
             metadata: string pairs kept on the batch object.
             webhook: http(s) URL that receives a signed ``batch.completed`` event when the batch ends (None: the
                 client's default webhook, ``""``: none). Its jobs send no events of their own.
+            allow_outside_paths: let local paths and ``file://`` URLs lead outside the batch file's folder (only
+                for a batch file you trust: otherwise whoever wrote it can have any image on this machine described).
 
         Returns:
             A handle on the batch (``in_progress``).
@@ -202,13 +213,15 @@ class Client:
         """
         window = batches.window_seconds(completion_window)
         batch_id, created = batches.new_batch_id(self.tenant), now()
-        fields = {"endpoint": "/v1/chat/completions", "input_file": str(path), "completion_window": completion_window,
+        # a path may hold bytes that are not UTF-8 (os.fsdecode's surrogates): kept readable, never failing in Redis
+        shown = str(path).encode("utf-8", "backslashreplace").decode()
+        fields = {"endpoint": "/v1/chat/completions", "input_file": shown, "completion_window": completion_window,
                   "created_at": repr(created), "expires_at": repr(created + window),
-                  "metadata": json.dumps(dict(metadata or {}))}
+                  "metadata": json.dumps(batches.check_metadata(metadata))}
         webhook = self.settings.webhook_url if webhook is None else webhook
         if webhook:
             fields["webhook"] = check_webhook(webhook, self.settings.webhook_allow)
-        prepared, lines, errors = self._prepare_batch(Path(path), priority, max_new_tokens)
+        prepared, lines, errors = self._prepare_batch(Path(path), priority, max_new_tokens, allow_outside_paths)
         if errors or not lines:
             errors = errors or [LineError(0, "empty_file", "the batch file has no requests")]
             batches.create(self.store, batch_id, fields | {"total": len(lines) + len(errors), "errors": json.dumps(
@@ -239,16 +252,17 @@ class Client:
         batch.refresh()
         return batch
 
-    def _prepare_batch(self, path: Path, priority: int,
-                       max_new_tokens: int) -> tuple[list[_Prepared], list[BatchLine], list[LineError]]:
+    def _prepare_batch(self, path: Path, priority: int, max_new_tokens: int,
+                       anywhere: bool) -> tuple[list[_Prepared], list[BatchLine], list[LineError]]:
         prepared, lines, errors, seen = [], [], [], set()
+        loaded: dict[str, _Input] = {}  # each distinct image reference read and probed once
         try:
             numbered = list(read_lines(path))
-        except (OSError, UnicodeDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8, or a NUL or lone surrogate in the path
             raise InvalidRequest(f"cannot read batch file {str(path)!r}: {e}", code="bad_batch_file") from e
         for number, text in numbered:
             try:
-                line = parse_line(number, text, path.resolve().parent)
+                line = parse_line(number, text, path.resolve().parent, anywhere)
                 if line.custom_id in seen:
                     raise InvalidRequest(f"custom_id {line.custom_id!r} is used by an earlier line",
                                          code="duplicate_custom_id")
@@ -256,7 +270,7 @@ class Client:
                 request = JobRequest(line.image, line.prompt, model=line.model, priority=priority,
                                      max_new_tokens=line.max_new_tokens or max_new_tokens, webhook="",
                                      temperature=line.temperature, seed=line.seed)
-                prepared.append(self._prepare(request))
+                prepared.append(self._prepare(request, loaded))
                 lines.append(line)
             except InvalidRequest as e:
                 errors.append(LineError(number, e.code, str(e)))
@@ -318,17 +332,26 @@ class Client:
                            max_new_tokens_limit=self.settings.max_new_tokens, temperature=r.temperature, seed=r.seed)
         return resolve_model(r.model, self.settings)
 
-    def _prepare(self, request: JobRequest) -> _Prepared:
+    def _prepare(self, request: JobRequest, loaded: dict[str, _Input] | None = None) -> _Prepared:
+        """Check, load and price one request; ``loaded`` keeps images already read, by their reference."""
         spec = self._check_params(request)
         webhook = self.settings.webhook_url if request.webhook is None else request.webhook
         if webhook:
             check_webhook(webhook, self.settings.webhook_allow)
         image = request.image
+        if loaded is None or not isinstance(image, str):
+            data, info, sha256 = self._read_input(image)
+        else:
+            if image not in loaded:
+                loaded[image] = self._read_input(image)
+            data, info, sha256 = loaded[image]
+        cost = estimate(info.width, info.height, spec.policy, cost_classes(self.settings))
+        return _Prepared(request, spec, data, info, sha256, cost, webhook)
+
+    def _read_input(self, image: ImageSource) -> _Input:
         data = self._read_storage_uri(image) if isinstance(image, str) and is_storage_url(image) else \
             load_source(image, self._limits)
-        info = probe(data, self._limits)
-        cost = estimate(info.width, info.height, spec.policy, cost_classes(self.settings))
-        return _Prepared(request, spec, data, info, hashlib.sha256(data).hexdigest(), cost, webhook)
+        return _Input(data, probe(data, self._limits), hashlib.sha256(data).hexdigest())
 
     def _read_storage_uri(self, uri: str) -> bytes:
         try:
@@ -435,8 +458,8 @@ class Client:
 
     def _store_input(self, item: _Prepared) -> None:
         input_key = keys.input_object(item.sha256, self.tenant)
-        if not self.storage.exists(input_key):
-            self.storage.put(input_key, item.data)
+        if not self.storage.holds(input_key, item.sha256):  # other bytes at this address are replaced
+            self.storage.put_addressed(input_key, item.data)
 
     def _record(self, job_id: str, item: _Prepared) -> dict[str, Any]:
         cost, request, stamp = item.cost, item.request, repr(now())

@@ -36,12 +36,12 @@ Error codes: ``empty_image``, ``image_too_large``, ``not_an_image``,
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import hashlib
 import io
 import os
 import re
+import stat
 import struct
 import urllib.parse
 import warnings
@@ -67,7 +67,7 @@ from vlmq.imagescan import ImageLimits, Layout, check_size
 
 __all__ = [
     "DEFAULT_LIMITS", "SUPPORTED_FORMATS", "ImageInfo", "ImageLimits", "ImageSource",
-    "decode", "is_storage_url", "load_source", "pixel_hash", "probe",
+    "decode", "file_url_path", "is_storage_url", "load_source", "pixel_hash", "probe",
 ]
 
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
@@ -373,12 +373,17 @@ def is_storage_url(value: object) -> bool:
     return isinstance(value, str) and value.lower().startswith("s3://")
 
 
-def _from_file_url(url: str, limits: ImageLimits) -> bytes:
+def file_url_path(url: str) -> Path:
+    """The local path a ``file:///path`` URL names.
+
+    Raises:
+        InvalidRequest: ``bad_image_source`` for a URL naming another host.
+    """
     parts = urllib.parse.urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise InvalidRequest(f"{url[:80]!r} names another host; file:// URLs must name a local file (file:///path)",
                              code="bad_image_source")
-    return _from_path(Path(urllib.parse.unquote(parts.path)), limits)
+    return Path(urllib.parse.unquote(parts.path))
 
 
 def _too_large(size: int, limits: ImageLimits) -> InvalidRequest:
@@ -405,18 +410,30 @@ def _from_data_url(url: str, limits: ImageLimits) -> bytes:
         raise _too_large(len(payload) * 3 // 4, limits)
     try:
         return base64.b64decode(payload, validate=True)
-    except binascii.Error as e:
+    except ValueError as e:  # binascii.Error, or a character that is not ASCII
         raise InvalidRequest(f"the data: URL is not valid base64: {e}", code="bad_image_source") from e
 
 
 def _from_path(path: Path, limits: ImageLimits) -> bytes:
     try:
-        with path.open("rb") as f:
+        if not stat.S_ISREG(path.stat().st_mode):  # never open a device or a FIFO (opening one can block)
+            raise _not_regular(path)
+        # O_NONBLOCK: a FIFO swapped in since the stat must not block the open; fstat then refuses it
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise _not_regular(path)
             return _read_stream(f, limits)
+    except InvalidRequest:
+        raise
     except FileNotFoundError as e:
         raise InvalidRequest(f"no image file at {str(path)!r}", code="image_not_found") from e
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL or a lone surrogate in the path
         raise InvalidRequest(f"cannot read image file {str(path)!r}: {e}", code="bad_image_source") from e
+
+
+def _not_regular(path: Path) -> InvalidRequest:
+    return InvalidRequest(f"{str(path)!r} is not a regular file (a device, FIFO, socket or folder); name an image file",
+                          code="bad_image_source")
 
 
 def _from_pil(img: Image.Image, limits: ImageLimits) -> bytes:
@@ -467,7 +484,7 @@ def load_source(image: ImageSource, limits: ImageLimits = DEFAULT_LIMITS) -> byt
                 code="bad_image_source",
             )
         if image.lower().startswith("file://"):
-            return _from_file_url(image, limits)
+            return _from_path(file_url_path(image), limits)
         if image.lower().startswith("data:"):
             return _from_data_url(image, limits)
         if _SCHEME.match(image):

@@ -291,6 +291,11 @@ def input_object(sha256: str, tenant: str | None = None) -> str:
     return f"{storage_prefix(tenant)}inputs/{sha256}"
 
 
+def input_sha256(key: str) -> str:
+    """The SHA-256 (hex) an input's storage key names: its last 64 characters (``input_key_allowed`` checked)."""
+    return key[-64:]
+
+
 def input_key_allowed(job_id: str, key: str) -> bool:
     """Whether a job may read ``key`` as its input: an ``inputs/<sha256>`` object of the job's own tenant.
 

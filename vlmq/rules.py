@@ -30,9 +30,23 @@ def is_job_id(value: object) -> bool:
     return isinstance(value, str) and _JOB_ID.fullmatch(value) is not None
 
 
+def check_utf8(text: str, what: str, code: str) -> None:
+    """``text`` encodes as UTF-8, as Redis and JSON need it to: a lone surrogate (``"\\ud800"``) does not.
+
+    Raises:
+        InvalidRequest: with ``code``, naming the first character that does not encode.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{what} is not valid Unicode text: character {e.start} is {text[e.start]!r} "
+                             f"({e.reason}); send text that encodes as UTF-8", code=code) from None
+
+
 def check_prompt(prompt: object, max_chars: int) -> None:
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidRequest("prompt must be a non-empty string", code="bad_prompt")
+    check_utf8(prompt, "prompt", "bad_prompt")
     if len(prompt) > max_chars:
         raise InvalidRequest(f"prompt has {len(prompt)} characters; the limit is {max_chars} "
                              "(VLMQ_MAX_PROMPT_CHARS)", code="prompt_too_long")
@@ -67,6 +81,8 @@ def check_idempotency_key(key: object) -> None:
     if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS):
         raise InvalidRequest(f"idempotency_key must be a string of 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters",
                              code="bad_idempotency_key")
+    if key is not None:
+        check_utf8(key, "idempotency_key", "bad_idempotency_key")
 
 
 def check_model_name(model: object) -> None:

@@ -25,6 +25,7 @@ LOG_FORMATS = ("text", "json")  # worker log formats; the first is the default
 DEFAULT_COST_CLASSES = "xs=256,s=1024,m=4096,l=16384,xl"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORAGE_URL = "file:///tmp/vlmq"
+MIN_ARCHIVE_KEY_CHARS = 32
 # seconds before each webhook retry (the first attempt is immediate): Standard Webhooks' schedule, about 75 h
 DEFAULT_RETRY_SCHEDULE = "5,300,1800,7200,18000,36000,50400,72000,86400"
 
@@ -193,7 +194,12 @@ class Settings:
     log_format: str = _setting(LOG_FORMATS[0], WORKER, "`text`, or `json`: one JSON object per line with job id, "
                                "model, class, worker and phase")
     kv_archive: int = _setting(1, WORKER, "`1`: archive vision encoder outputs and evicted prefix KV in the pool's "
-                               "storage under `kv/<weights hash>/` (any worker reuses them); `0`: off")
+                               "storage under `kv/<weights hash>/` (any worker reuses them; needs "
+                               "`VLMQ_KV_ARCHIVE_KEY`); `0`: off")
+    kv_archive_key: str = _setting("", WORKER, "secret that signs and verifies archived KV, at least 32 characters "
+                                   "(`openssl rand -hex 32`): the same on every worker of the pool, never given to "
+                                   "producers; unset: the archive is off (`vlmq up` makes one for its workers)",
+                                   shown="none (archive off)")
     kv_archive_bytes: int = _setting(16 << 30, WORKER, "bound on the whole KV archive (every model), in bytes; "
                                      "the oldest objects are deleted first", shown="17179869184 (16 GiB)")
     kv_archive_quant: str = _setting("", WORKER, "archive encoding: lossless, or `int8` / `fp8` for every model, or "
@@ -239,9 +245,7 @@ class Settings:
             raise ValueError(f"metrics_port must be a TCP port (0 = off), got {self.metrics_port}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
-        if min(self.kv_archive_bytes, self.kv_host_bytes, self.kv_disk_bytes) < 0 or self.kv_archive not in (0, 1):
-            raise ValueError("kv_archive is 0 or 1; kv_archive_bytes, kv_host_bytes and kv_disk_bytes are >= 0")
-        self.kv_quant("")  # validates the format
+        self._check_kv()
         self.queue_depth_limit("xs")  # validates the format
         self._check_webhooks()
         if self.tenant:
@@ -249,6 +253,14 @@ class Settings:
                 check_tenant(self.tenant)
             except ValueError as e:
                 raise ValueError(f"tenant (VLMQ_TENANT): {e}") from None
+
+    def _check_kv(self) -> None:
+        if min(self.kv_archive_bytes, self.kv_host_bytes, self.kv_disk_bytes) < 0 or self.kv_archive not in (0, 1):
+            raise ValueError("kv_archive is 0 or 1; kv_archive_bytes, kv_host_bytes and kv_disk_bytes are >= 0")
+        if self.kv_archive_key and len(self.kv_archive_key) < MIN_ARCHIVE_KEY_CHARS:
+            raise ValueError(f"kv_archive_key (VLMQ_KV_ARCHIVE_KEY) must have at least {MIN_ARCHIVE_KEY_CHARS} "
+                             "characters, e.g. from `openssl rand -hex 32`")
+        self.kv_quant("")  # validates the format
 
     def _check_webhooks(self) -> None:
         from vlmq.webhook_guard import parse_networks

@@ -1,10 +1,14 @@
 """Object storage behind one interface: ``s3://bucket/prefix`` (boto3) and ``file:///dir``.
 
-Inputs are content-addressed (``inputs/<sha256>``); results are written once
-(``put_if_absent``: a conditional put on S3, an atomic hard link on files).
+Inputs are content-addressed (``inputs/<sha256>``) and written with ``put_addressed``, unless the store vouches
+that the address already holds them (``holds``: S3's SHA-256 checksum, or the file's hash); workers check the
+hash again on reading. Results are written once (``put_if_absent``: a conditional put on S3, an atomic hard
+link on files).
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import tempfile
 from abc import ABC, abstractmethod
@@ -50,6 +54,18 @@ class Storage(ABC):
     @abstractmethod
     def exists(self, key: str) -> bool:
         """Whether an object is stored under ``key``."""
+
+    def put_addressed(self, key: str, data: bytes) -> None:
+        """Store a content-addressed object (an input) so that :meth:`holds` can vouch for it later."""
+        self.put(key, data)
+
+    @abstractmethod
+    def holds(self, key: str, sha256: str) -> bool:
+        """Whether ``key`` holds exactly the bytes whose SHA-256 is ``sha256`` (hex), as the store vouches.
+
+        Anyone with write access may have put other bytes under a content address, so "an object exists" does
+        not prove it holds its content; False sends the caller to write it again.
+        """
 
     @abstractmethod
     def delete(self, key: str) -> None:
@@ -193,6 +209,16 @@ class FileStorage(Storage):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
+    def holds(self, key: str, sha256: str) -> bool:
+        digest = hashlib.sha256()
+        try:
+            with self._path(key).open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+        except (FileNotFoundError, IsADirectoryError):
+            return False
+        return digest.hexdigest() == sha256
+
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
@@ -309,6 +335,22 @@ class S3Storage(Storage):
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 return False
             raise BackendError(f"object store {self.url} failed: {e}") from e
+
+    def put_addressed(self, key: str, data: bytes) -> None:
+        # S3 checks the SHA-256 checksum against the bytes it receives and keeps it with the object
+        self._put(key, data, ChecksumAlgorithm="SHA256")
+
+    def holds(self, key: str, sha256: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self._call("head_object", Key=self._key(key), ChecksumMode="ENABLED")
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                return False
+            raise BackendError(f"object store {self.url} failed: {e}") from e
+        # absent where the object was written without it (or by a store that keeps none): written again
+        return bool(head.get("ChecksumSHA256") == base64.b64encode(bytes.fromhex(sha256)).decode())
 
     def delete(self, key: str) -> None:
         from botocore.exceptions import ClientError

@@ -4,6 +4,7 @@ producers in other shells until Ctrl-C, which stops everything it started.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import shlex
 import shutil
 import tempfile
@@ -71,6 +72,8 @@ def run_up(options: UpOptions) -> int:
         with signals_interrupt():
             valkey = start_valkey(options.port)
             settings = Settings.from_env(broker_url=valkey.url, storage_url=f"file://{folder / 'storage'}")
+            if not settings.kv_archive_key:  # its workers share one archive: a key of this run, for them only
+                settings = dataclasses.replace(settings, kv_archive_key=secrets.token_hex(32))
             workers = _start_workers(settings, options, folder)
             watched = [Child("embedded Redis-compatible server", valkey.proc), *workers]
             print(f"vlmq up: Valkey at {valkey.url}, storage {settings.storage_url}; starting {len(workers)} worker "

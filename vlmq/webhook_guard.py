@@ -11,9 +11,14 @@ metadata endpoint (server-side request forgery). Two checks, one policy:
   followed (``vlmq.delivery``).
 
 Refused: loopback, private (10/8, 172.16/12, 192.168/16, 100.64/10, IPv6 ULA fc00::/7), link-local
-(169.254/16, fe80::/10; the metadata address 169.254.169.254 by name), multicast, unspecified and reserved
-ranges, and IPv4 addresses written as IPv6 (``::ffff:10.0.0.1``). ``VLMQ_WEBHOOK_ALLOW`` lists networks
-exempt from the guard (tests run their receiver on 127.0.0.1 and allow exactly that).
+(169.254/16, fe80::/10; the metadata address 169.254.169.254 by name), multicast, unspecified, and the
+reserved ranges of :data:`RESERVED` (IETF assignments such as 192.0.0.0/24, documentation, benchmarking,
+site-local fec0::/10, local-use NAT64 64:ff9b:1::/48, ...), from our own table so the verdict does not
+change with the Python version. An IPv6 address that carries an IPv4 one to an IPv4 host (mapped
+``::ffff:a.b.c.d``, SIIT ``::ffff:0:a.b.c.d``, NAT64 ``64:ff9b::a.b.c.d``, 6to4 ``2002:AABB:CCDD::``, the
+deprecated IPv4-compatible ``::a.b.c.d``) is judged by that IPv4 address: on an IPv6-only cluster with NAT64,
+``64:ff9b::a9fe:a9fe`` reaches 169.254.169.254. ``VLMQ_WEBHOOK_ALLOW`` lists networks exempt from the guard
+(tests run their receiver on 127.0.0.1 and allow exactly that).
 """
 from __future__ import annotations
 
@@ -30,6 +35,20 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[..., list[Any]]  # socket.getaddrinfo's signature
 MAX_URL_CHARS = 2048
 METADATA = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
+# Not globally reachable (IANA special-purpose registries); Python's own is_private/is_global differ by version.
+RESERVED: tuple[tuple[Network, str], ...] = tuple((ipaddress.ip_network(net), why) for net, why in (
+    ("0.0.0.0/8", "'this network'"), ("192.0.0.0/24", "an IETF protocol assignment"),
+    ("192.0.2.0/24", "a documentation address"), ("198.51.100.0/24", "a documentation address"),
+    ("203.0.113.0/24", "a documentation address"), ("192.88.99.0/24", "the deprecated 6to4 relay anycast"),
+    ("198.18.0.0/15", "a benchmarking address"), ("240.0.0.0/4", "a reserved address"),
+    ("::/96", "a deprecated IPv4-compatible address"), ("64:ff9b:1::/48", "a local-use NAT64 address"),
+    ("100::/64", "a discard-only address"), ("2001::/23", "an IETF protocol assignment"),
+    ("2001:db8::/32", "a documentation address"), ("3fff::/20", "a documentation address"),
+    ("5f00::/16", "an SRv6 segment identifier"), ("fec0::/10", "a deprecated site-local address"),
+))
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052 well-known prefix: the last 32 bits are the IPv4 host
+SIIT = ipaddress.ip_network("::ffff:0:0:0/96")  # RFC 2765 IPv4-translated
+COMPATIBLE = ipaddress.ip_network("::/96")  # RFC 4291, deprecated; :: and ::1 are judged as themselves
 
 
 class Refused(ValueError):
@@ -48,20 +67,40 @@ def parse_networks(raw: str) -> tuple[Network, ...]:
         raise ValueError(f"must list networks such as 127.0.0.1/32: {e}") from None
 
 
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 form delivers to (mapped, SIIT, NAT64, 6to4, IPv4-compatible), or None."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in NAT64 or ip in SIIT or (ip in COMPATIBLE and not (ip.is_loopback or ip.is_unspecified)):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF)
+    return None
+
+
 def refusal(ip: IPAddress, allow: Sequence[Network] = ()) -> str | None:
     """Why the guard refuses ``ip`` (None when it may be called)."""
     if any(ip in net for net in allow if net.version == ip.version):
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return refusal(ip.ipv4_mapped, allow)
+    inner = embedded_ipv4(ip) if isinstance(ip, ipaddress.IPv6Address) else None
+    if inner is not None:
+        why = refusal(inner, allow)
+        if why:
+            return f"{ip} carries an IPv4 address: {why}"
+        if ip not in COMPATIBLE:  # a public IPv4 host reached through NAT64, 6to4 or a mapping
+            return None
     checks = ((ip in METADATA, "the cloud metadata address"), (ip.is_loopback, "a loopback address"),
               (ip.is_link_local, "a link-local address"), (ip.is_multicast, "a multicast address"),
-              (ip.is_unspecified, "the unspecified address"), (ip.is_private, "a private address"),
-              (not ip.is_global, "not a public address"))
+              (ip.is_unspecified, "the unspecified address"))
     for hit, why in checks:
         if hit:
             return f"{ip} is {why}"
-    return None
+    for net, why in RESERVED:
+        if ip in net:
+            return f"{ip} is {why} ({net})"
+    if ip.is_private:
+        return f"{ip} is a private address"
+    return None if ip.is_global else f"{ip} is not a public address"
 
 
 def split_url(url: object) -> tuple[str, str, int]:
@@ -74,6 +113,8 @@ def split_url(url: object) -> tuple[str, str, int]:
         raise Refused(f"a webhook must be an http(s) URL of at most {MAX_URL_CHARS} characters")
     if any(c.isspace() or ord(c) < 32 for c in url):
         raise Refused("a webhook URL must not contain spaces or control characters")
+    if not url.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in url):
+        raise Refused("a webhook URL must be valid Unicode text (it holds a lone surrogate such as \\ud800)")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise Refused(f"a webhook must be an http:// or https:// URL, got scheme {parts.scheme!r}")

@@ -1,6 +1,7 @@
 """One job on a worker: the adapter between job records (users' statuses) and the backend."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -103,11 +104,7 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     t0 = time.monotonic()
     if record["model"] != ctx.model:
         raise JobFailed("wrong_model", f"job is for model {record['model']!r}; this worker serves {ctx.model!r}")
-    try:
-        data = with_storage_retry(ctx, lambda: ctx.storage.get(record["input_key"]))
-    except KeyError:
-        raise JobFailed("input_missing", f"input object {record['input_key']} is not in this worker's storage "
-                        f"({ctx.storage.url}); producers and workers must share VLMQ_STORAGE_URL") from None
+    data = fetch_input(ctx, record["input_key"])
     t1 = time.monotonic()
     try:
         image = decode(data, ctx.limits)
@@ -135,6 +132,20 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     timings = {"queue": max(0.0, now() - float(record["queued_at"]) - (t3 - t0)), "fetch": t1 - t0,
                "decode_image": t2 - t1, "model": t3 - t2}
     return _finish(ctx, job_id, record, output, timings, {"temperature": request.temperature, "seed": request.seed})
+
+
+def fetch_input(ctx: WorkerContext, input_key: str) -> bytes:
+    """The input's bytes, which must hash to the SHA-256 its key names (anyone who can write the bucket could
+    have put other bytes there); raises JobFailed ``input_missing`` or ``input_corrupt``, neither retryable."""
+    try:
+        data = with_storage_retry(ctx, lambda: ctx.storage.get(input_key))
+    except KeyError:
+        raise JobFailed("input_missing", f"input object {input_key} is not in this worker's storage "
+                        f"({ctx.storage.url}); producers and workers must share VLMQ_STORAGE_URL") from None
+    if hashlib.sha256(data).hexdigest() != keys.input_sha256(input_key):
+        raise JobFailed("input_corrupt", f"input object {input_key} does not hold the bytes its name is the "
+                        "SHA-256 of (overwritten or damaged); submit the image again")
+    return data
 
 
 def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOutput,

@@ -1,4 +1,4 @@
-"""Crafted image files for the bad-input and odd-input tests."""
+"""Crafted image files for the bad-input and odd-input tests, and scenes the bundled model describes."""
 from __future__ import annotations
 
 import io
@@ -12,6 +12,13 @@ def encode(img: Image.Image, fmt: str, **kwargs: object) -> bytes:
     buf = io.BytesIO()
     img.save(buf, fmt, **kwargs)
     return buf.getvalue()
+
+
+def scene_png(seed: int) -> bytes:
+    """A 320x240 scene of the bundled model's training kind (its answers differ from scene to scene)."""
+    from tiny.shapes import make_example
+
+    return encode(make_example((777, seed), size=(320, 240)).image, "PNG")
 
 
 def rgb(width: int = 120, height: int = 90) -> Image.Image:

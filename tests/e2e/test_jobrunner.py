@@ -112,6 +112,18 @@ def test_a_forged_record_fails_alone_and_never_reaches_the_backend(pool, field: 
     assert backend.seen == []
 
 
+def test_an_input_that_does_not_hash_to_its_address_fails_its_job_alone(pool) -> None:
+    # issue 36 item 4: other bytes at inputs/<sha256> (anyone who can write the bucket) must not be served
+    client, ctx, backend = pool
+    job = client.submit(png(), "What colour?")
+    client.storage.put(job.info()["input_key"], png()[:-1] + b"\x00")
+    assert run_job(ctx, job.id) == "failed"
+    err = failure(job)
+    assert (err.error_type, err.retryable) == ("input_corrupt", False) and backend.seen == []
+    again = client.submit(png(), "What colour?")  # the SDK writes the bytes again; the job is served
+    assert run_job(ctx, again.id) == "finished" and len(backend.seen) == 1
+
+
 def test_missing_input_canceled_jobs_and_poison(pool) -> None:
     client, ctx, backend = pool
     gone = client.submit(png(), "What colour?")

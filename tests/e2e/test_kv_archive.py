@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import io
 import re
+import struct
 import time
 
+import msgpack
 import pytest
+from inputs import scene_png
 from PIL import Image
 from workerproc import TINY_CLASSES, WorkerProcess
 
@@ -18,18 +21,12 @@ from vlmq.client import Client
 from vlmq.settings import Settings
 from vlmq.storage import open_storage
 from vlmq.workers.engine.engine import Engine, Request
+from vlmq.workers.kvstore.format import MAGIC
 from vlmq.workers.main import ASSETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 QUESTION_B = "What color is the largest shape?"
-
-
-def scene_png(seed: int) -> bytes:
-    from tiny.shapes import make_example
-
-    buf = io.BytesIO()
-    make_example((777, seed), size=(320, 240)).image.save(buf, "PNG")
-    return buf.getvalue()
+ARCHIVE_KEY = "e2e-kv-archive-key-shared-by-workers"  # VLMQ_KV_ARCHIVE_KEY: workers hold it, producers do not
 
 
 def tier_counts(worker: WorkerProcess) -> dict[str, int]:
@@ -64,7 +61,7 @@ def test_a_second_worker_answers_from_the_first_workers_archive(redis_url, s3_se
 
     redis.Redis.from_url(redis_url).flushdb()
     settings = Settings(broker_url=redis_url, storage_url=s3_storage_url, s3_endpoint_url=s3_server.url,
-                        cost_classes=TINY_CLASSES, worker_batch=2)
+                        cost_classes=TINY_CLASSES, worker_batch=2, kv_archive_key=ARCHIVE_KEY)
     image = scene_png(1)
     _, a = serve(settings, tmp_path / "worker-a.log", image, "How many shapes are there?", wait_archived=True)
     assert a["encoded_images"] == 1  # A computed X ...
@@ -77,3 +74,61 @@ def test_a_second_worker_answers_from_the_first_workers_archive(redis_url, s3_se
     cold = Engine.from_model_dir(ASSETS / "tiny-shapes", num_blocks=256)  # no store: computes everything
     out = cold.generate([Request(Image.open(io.BytesIO(image)).convert("RGB"), QUESTION_B, 16)])[0]
     assert cold.stats.num_encoded_images == 1 and warm == out.token_ids
+
+
+def cold_answer(image: bytes, question: str) -> list[int]:
+    cold = Engine.from_model_dir(ASSETS / "tiny-shapes", num_blocks=256)  # no store: computes everything
+    return cold.generate([Request(Image.open(io.BytesIO(image)).convert("RGB"), question, 16)])[0].token_ids
+
+
+def wait_for(done, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def rekeyed(blob: bytes, key: str) -> bytes:
+    """An archive object with only its header's key changed; everything after the header kept as it is."""
+    (n,) = struct.unpack_from("<I", blob, len(MAGIC))
+    header = msgpack.unpackb(blob[len(MAGIC) + 4:len(MAGIC) + 4 + n])
+    raw = msgpack.packb({**header, "key": key})
+    return MAGIC + struct.pack("<I", len(raw)) + raw + blob[len(MAGIC) + 4 + n:]
+
+
+def test_a_poisoned_archive_object_never_answers_for_another_image(redis_url, s3_server, s3_storage_url,
+                                                                   tmp_path) -> None:
+    # Issue 36 item 3: anyone who can write kv/ took Y's encoder object, put X's key in its header (its payload
+    # checksum still valid) and stored it under X's name; a fresh worker then answered about X with Y's caption.
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    settings = Settings(broker_url=redis_url, storage_url=s3_storage_url, s3_endpoint_url=s3_server.url,
+                        cost_classes=TINY_CLASSES, worker_batch=2, kv_archive_key=ARCHIVE_KEY)
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    x, y = scene_png(1), scene_png(2)
+    answer_x, answer_y = cold_answer(x, QUESTION_B), cold_answer(y, QUESTION_B)
+    assert answer_x != answer_y  # the scenes are told apart by their answers
+
+    def encoder_objects() -> list[str]:
+        return [key for key in archived_objects(settings) if "/enc/" in key]
+
+    worker = WorkerProcess(settings, tmp_path / "worker-a.log", "--name", "worker-a")
+    try:  # worker A archives Y's encoder output, then X's
+        worker.wait_ready()
+        with Client(settings=settings) as client:
+            client.submit(y, "How many shapes are there?", max_new_tokens=16).result(timeout=300)
+            wait_for(lambda: len(encoder_objects()) == 1, "Y's encoder output was not archived")
+            [y_name] = encoder_objects()
+            client.submit(x, "How many shapes are there?", max_new_tokens=16).result(timeout=300)
+            wait_for(lambda: len(encoder_objects()) == 2, "X's encoder output was not archived")
+    finally:
+        worker.stop()
+    [x_name] = [name for name in encoder_objects() if name != y_name]
+    forged = rekeyed(storage.get(y_name), x_name.rsplit("/", 1)[1])
+    storage.put(x_name, forged)  # the poison: Y's tensors, X's key, under X's name
+    warm, b = serve(settings, tmp_path / "worker-b.log", x, QUESTION_B)
+    assert warm == answer_x and warm != answer_y  # X's answer, computed afresh
+    assert b["encoded_images"] == 1 and b["archive_bad_objects"] >= 1 and b["tier_restored_images"] == 0, b
+    wait_for(lambda: storage.exists(x_name) and storage.get(x_name) != forged,
+             "the refused object was not replaced by X's own")  # deleted, then archived again from X itself

@@ -82,7 +82,8 @@ def pool(redis_url: str, s3_server: Any, tmp_path_factory: pytest.TempPathFactor
     settings = Settings(broker_url=redis_url, storage_url=f"s3://{BUCKET}/{PREFIX}", s3_endpoint_url=s3_server.url,
                         cost_classes=TINY_CLASSES)
     worker_url = with_user(redis_url, acl.WORKER_USER, passwords[acl.WORKER_USER])
-    worker = WorkerProcess(dataclasses.replace(settings, broker_url=worker_url),
+    # the worker alone holds the archive key: its archive takes part in test_tenant_cache's isolation
+    worker = WorkerProcess(dataclasses.replace(settings, broker_url=worker_url, kv_archive_key="k" * 32),
                            tmp_path_factory.mktemp("tenants") / "worker.log", "--name", "tenants-worker")
     urls = {t: with_user(redis_url, acl.tenant_user(t), passwords[acl.tenant_user(t)]) for t in TENANTS}
     try:

@@ -100,7 +100,8 @@ def test_archived_kv_is_named_per_salt(model_dir, tmp_path):
 
     def serve(salt: str) -> tuple[list[int], dict[str, int], set[str]]:
         before = {o.key for o in storage.list_objects("kv/")}
-        store = KVStore(model, KVStoreConfig(always_fetch=True), storage)  # a fresh worker: empty caches
+        config = KVStoreConfig(always_fetch=True, archive_key=b"test-archive-key-" * 2)
+        store = KVStore(model, config, storage)  # a fresh worker: empty caches
         engine = Engine.from_model_dir(model_dir, num_blocks=128, kv_store=store)
         try:
             out = engine.generate([Request(example.image, example.question, 4, cache_salt=salt)])[0]

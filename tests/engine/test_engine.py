@@ -271,7 +271,8 @@ def tiered_engine(model_dir, storage, tmp_path, name: str) -> Engine:
     # archive even when this worker's rates say recomputing is cheaper (on a loaded machine moto's latency makes it
     # so; test_kv_tiers.py checks that choice): this checks the tiers.
     config = KVStoreConfig(host_bytes=1 << 20, disk_dir=str(tmp_path / name), disk_bytes=2 << 20,
-                           archive_bytes=256 << 20, wait_grace_s=10.0, always_fetch=True)
+                           archive_bytes=256 << 20, wait_grace_s=10.0, always_fetch=True,
+                           archive_key=b"test-archive-key-" * 2)
     store = KVStore(weights_identity(model_dir), config, storage)
     return Engine.from_model_dir(model_dir, num_blocks=96, encoder_cache_bytes=400 << 10, kv_store=store)
 

@@ -5,6 +5,7 @@ refused with a reason and, through the store, counted as a miss: never returned,
 """
 from __future__ import annotations
 
+import hashlib
 import pickle
 import struct
 
@@ -20,6 +21,7 @@ from vlmq.workers.kvstore.store import KVStore, KVStoreConfig, RateModel
 MODEL = "m" * 32
 EMB = torch.randn(7, 24)  # an encoder output [tokens, hidden]
 KV = torch.randn(3, 2, 4, 2, 8, dtype=torch.bfloat16)  # a block [layers, K|V, block, heads, dim]
+ARCHIVE_KEY = b"test-archive-key-" * 2  # the pool's VLMQ_KV_ARCHIVE_KEY in these tests
 
 
 def expect(kind: str = "enc", key: str = "k1", t: torch.Tensor = EMB, model: str = MODEL) -> Expected:
@@ -28,35 +30,57 @@ def expect(kind: str = "enc", key: str = "k1", t: torch.Tensor = EMB, model: str
 
 @pytest.mark.parametrize(("kind", "t"), [("enc", EMB), ("prefix", KV), ("enc", EMB.half())])
 def test_lossless_round_trip_is_bit_exact(kind: str, t: torch.Tensor) -> None:
-    assert torch.equal(decode(encode(kind, "k1", MODEL, t), expect(kind, "k1", t)), t)
+    assert torch.equal(decode(signed(kind, "k1", MODEL, t), expect(kind, "k1", t), secret=ARCHIVE_KEY), t)
 
 
 @pytest.mark.parametrize(("quant", "max_rel"), [("int8", 1 / 254), ("fp8", 1 / 16)])
 def test_quantised_round_trip_is_close_and_smaller(quant: str, max_rel: float) -> None:
     t = torch.randn(64, 256)
-    blob = encode("enc", "k1", MODEL, t, quant)
-    back = decode(blob, expect(t=t))
+    blob = encode("enc", "k1", MODEL, t, quant, secret=ARCHIVE_KEY)
+    back = decode(blob, expect(t=t), secret=ARCHIVE_KEY)
     scale = t.abs().amax(-1, keepdim=True)  # one scale per token
     assert ((back - t).abs() <= scale * max_rel + 1e-6).all()
     assert len(blob) < t.nbytes / 3
 
 
+def signed(kind: str, key: str, model: str, t: torch.Tensor) -> bytes:
+    return encode(kind, key, model, t, secret=ARCHIVE_KEY)
+
+
+def rekeyed(blob: bytes, key: str) -> bytes:
+    """`blob` with only its header's key changed: what anyone who can write kv/ can make (issue 36 item 3)."""
+    header, _ = read_header(blob)
+    raw = msgpack.packb({**header, "key": key})
+    (n,) = struct.unpack_from("<I", blob, len(MAGIC))
+    return MAGIC + struct.pack("<I", len(raw)) + raw + blob[len(MAGIC) + 4 + n:]
+
+
+def format_1(t: torch.Tensor) -> bytes:
+    """An object as format 1 wrote it: a payload checksum anyone can compute, no tag."""
+    payload = t.contiguous().view(torch.uint8).numpy().tobytes()
+    header = {"format": 1, "kind": "enc", "key": "k1", "model": MODEL, "layout": "enc: embeds [tokens, hidden]",
+              "dtype": "float32", "shape": list(t.shape), "quant": "", "tensors": [["data", "float32", list(t.shape)]],
+              "checksum": hashlib.sha256(payload).hexdigest()}
+    raw = msgpack.packb(header)
+    return MAGIC + struct.pack("<I", len(raw)) + raw + payload
+
+
 def bad_objects() -> dict[str, tuple[bytes, str]]:
-    good = encode("enc", "k1", MODEL, EMB)
-    header, payload = read_header(good)
+    good = signed("enc", "k1", MODEL, EMB)
     flipped = bytearray(good)
-    flipped[-5] ^= 0x40
-    lied = {**header, "checksum": "0" * 64}
-    raw = msgpack.packb(lied)
+    flipped[-40] ^= 0x40
     return {
-        "truncated": (good[:-9], "checksum"),
+        "truncated": (good[:-9], "unauthenticated"),
         "truncated header": (good[:20], "truncated"),
-        "corrupt payload": (bytes(flipped), "checksum"),
-        "wrong checksum": (MAGIC + struct.pack("<I", len(raw)) + raw + bytes(payload), "checksum"),
-        "wrong shape": (encode("enc", "k1", MODEL, torch.randn(6, 24)), "bad_shape"),
-        "wrong dtype": (encode("enc", "k1", MODEL, EMB.half()), "bad_shape"),
-        "other model": (encode("enc", "k1", "x" * 32, EMB), "other_model"),
-        "other key": (encode("enc", "k2", MODEL, EMB), "wrong_key"),
+        "corrupt payload": (bytes(flipped), "unauthenticated"),
+        "another item's object with this key in its header": (rekeyed(signed("enc", "k2", MODEL, EMB * 2), "k1"),
+                                                              "unauthenticated"),
+        "signed with another pool's key": (encode("enc", "k1", MODEL, EMB, secret=b"x" * 32), "unauthenticated"),
+        "format 1 (checksum, no tag)": (format_1(EMB), "old_version"),
+        "wrong shape": (signed("enc", "k1", MODEL, torch.randn(6, 24)), "bad_shape"),
+        "wrong dtype": (signed("enc", "k1", MODEL, EMB.half()), "bad_shape"),
+        "other model": (signed("enc", "k1", "x" * 32, EMB), "other_model"),
+        "other key": (signed("enc", "k2", MODEL, EMB), "wrong_key"),
         "pickle": (pickle.dumps({"data": EMB.numpy()}), "not_archive"),
         "garbage header": (MAGIC + struct.pack("<I", 4) + b"\xc1\xc1\xc1\xc1", "bad_header"),
     }
@@ -66,13 +90,13 @@ def bad_objects() -> dict[str, tuple[bytes, str]]:
 def test_bad_objects_are_refused_with_a_reason(name: str) -> None:
     blob, reason = bad_objects()[name]
     with pytest.raises(BadObject) as err:
-        decode(blob, expect())
+        decode(blob, expect(), secret=ARCHIVE_KEY)
     assert err.value.reason == reason
 
 
 def test_store_counts_bad_archive_objects_as_misses(tmp_path) -> None:
     storage = FileStorage(tmp_path / "s3")
-    store = KVStore(MODEL, KVStoreConfig(host_bytes=1 << 20), storage)
+    store = KVStore(MODEL, KVStoreConfig(host_bytes=1 << 20, archive_key=ARCHIVE_KEY), storage)
     try:
         for i, (blob, _) in enumerate(bad_objects().values()):
             storage.put(keys.kv_object(MODEL, "enc", f"k{i}"), blob.replace(b"k1", f"k{i}".encode()[:2]))
@@ -84,12 +108,33 @@ def test_store_counts_bad_archive_objects_as_misses(tmp_path) -> None:
         store.close()
 
 
+def test_an_archive_needs_its_key_and_a_format_1_object_makes_room_for_a_signed_one(tmp_path) -> None:
+    storage = FileStorage(tmp_path / "s3")
+    with pytest.raises(ValueError, match="VLMQ_KV_ARCHIVE_KEY"):
+        KVStore(MODEL, KVStoreConfig(), storage)
+    name = keys.kv_object(MODEL, "enc", "k1")
+    storage.put(name, format_1(EMB))  # written before objects were signed: never read, deleted
+    for _ in range(2):  # the second store is a fresh worker reading what the first archived
+        store = KVStore(MODEL, KVStoreConfig(host_bytes=1 << 20, archive_key=ARCHIVE_KEY), storage)
+        try:
+            found = store.fetch("enc", "k1", expect(), use_archive=True).result(10)
+            if found is None:
+                assert not storage.exists(name) and store.stats()["archive_bad_objects"] == 1
+                store.archive("enc", "k1", EMB)
+                store.flush()
+            else:
+                assert torch.equal(found, EMB) and store.stats()["archive_hits"] == 1
+        finally:
+            store.close()
+    assert torch.equal(decode(storage.get(name), expect(), secret=ARCHIVE_KEY), EMB)
+
+
 def test_demoted_items_flow_host_disk_archive_within_their_budgets(tmp_path) -> None:
     item = 7 * 24 * 4
-    blob = len(encode("prefix", "b000", MODEL, torch.randn(7, 24)))
+    blob = len(signed("prefix", "b000", MODEL, torch.randn(7, 24)))
     storage = FileStorage(tmp_path / "s3")
     config = KVStoreConfig(host_bytes=3 * item, disk_dir=str(tmp_path / "disk"), disk_bytes=4 * blob,
-                           archive_bytes=12 * blob)
+                           archive_bytes=12 * blob, archive_key=ARCHIVE_KEY)
     store = KVStore(MODEL, config, storage)
     num_items = 5 * (3 + 4 + 12)  # a workload 5x larger than all tiers together
     tensors = {f"b{i:03d}": torch.randn(7, 24) for i in range(num_items)}

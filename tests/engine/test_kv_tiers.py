@@ -25,6 +25,7 @@ from vlmq.workers.kvstore.format import encode
 
 TARGET = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
 MAX_NEW = 16
+ARCHIVE_KEY = b"test-archive-key-" * 2  # the pool's VLMQ_KV_ARCHIVE_KEY in these tests
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +35,12 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def bad_blobs(kind: str, key: str, model: str, good: torch.Tensor) -> list[bytes]:
-    """Truncated, corrupt (checksum), wrong shape, another model's, a pickle: one of each."""
-    blob = encode(kind, key, model, good)
+    """Truncated, corrupt (its tag fails), wrong shape, another model's, a pickle: one of each."""
+    blob = encode(kind, key, model, good, secret=ARCHIVE_KEY)
     corrupt = bytearray(blob)
     corrupt[-3] ^= 0xFF
-    return [blob[:-11], bytes(corrupt), encode(kind, key, model, good[:-1]), encode(kind, key, "0" * 32, good),
+    return [blob[:-11], bytes(corrupt), encode(kind, key, model, good[:-1], secret=ARCHIVE_KEY),
+            encode(kind, key, "0" * 32, good, secret=ARCHIVE_KEY),
             pickle.dumps(good.numpy())]
 
 
@@ -57,7 +59,7 @@ def test_bad_archive_objects_are_counted_misses_and_recomputed(model_dir, tmp_pa
         block_blob = bad_blobs("prefix", h, model, torch.randn(block_shape))[i]
         storage.put(keys.kv_object(model, "enc", img.content_hash), enc_blob)
         storage.put(keys.kv_object(model, "prefix", h), block_blob)
-    store = KVStore(model, KVStoreConfig(always_fetch=True), storage)
+    store = KVStore(model, KVStoreConfig(always_fetch=True, archive_key=ARCHIVE_KEY), storage)
     engine = Engine.from_model_dir(model_dir, num_blocks=256, kv_store=store)
     try:
         outputs = engine.generate(requests)
@@ -71,7 +73,7 @@ def test_bad_archive_objects_are_counted_misses_and_recomputed(model_dir, tmp_pa
     finally:
         store.close()
     # the bad objects were deleted and the recomputed items archived in their place: another worker reads them
-    store = KVStore(model, KVStoreConfig(always_fetch=True), storage)
+    store = KVStore(model, KVStoreConfig(always_fetch=True, archive_key=ARCHIVE_KEY), storage)
     warm = Engine.from_model_dir(model_dir, num_blocks=256, kv_store=store)
     try:
         assert [o.token_ids for o in warm.generate(requests)] == expected
@@ -99,12 +101,12 @@ class GatedStorage(FileStorage):
 def test_a_late_or_failed_fetch_is_a_recompute(model_dir, tmp_path, fault):
     requests = [Request(e.image, e.question, MAX_NEW) for e in make_split(9, 3)]
     model = weights_identity(model_dir)
-    filled = KVStore(model, KVStoreConfig(), FileStorage(tmp_path / "s3"))
+    filled = KVStore(model, KVStoreConfig(archive_key=ARCHIVE_KEY), FileStorage(tmp_path / "s3"))
     first = Engine.from_model_dir(model_dir, num_blocks=256, kv_store=filled)
     expected = [o.token_ids for o in first.generate(requests)]
     filled.close()  # the archive now holds every image's encoder output and prefix chain
     storage = GatedStorage(tmp_path / "s3", fail=fault == "failed")
-    store = KVStore(model, KVStoreConfig(always_fetch=True), storage)
+    store = KVStore(model, KVStoreConfig(always_fetch=True, archive_key=ARCHIVE_KEY), storage)
     engine = Engine.from_model_dir(model_dir, num_blocks=256, kv_store=store)
     try:
         assert [o.token_ids for o in engine.generate(requests)] == expected
@@ -129,7 +131,7 @@ def test_a_wider_encoder_output_is_restored_from_the_archive(tmp_path):
     model, storage = weights_identity(model_dir), FileStorage(tmp_path / "s3")
     answers = []
     for _ in range(2):  # the first worker computes and archives, the second restores
-        store = KVStore(model, KVStoreConfig(always_fetch=True), storage)
+        store = KVStore(model, KVStoreConfig(always_fetch=True, archive_key=ARCHIVE_KEY), storage)
         engine = Engine.from_model_dir(model_dir, num_blocks=64, kv_store=store, enable_prefix_caching=False)
         try:
             answers.append(engine.generate([request])[0].token_ids)
@@ -144,7 +146,7 @@ def test_a_wider_encoder_output_is_restored_from_the_archive(tmp_path):
 def test_the_archive_is_skipped_when_recomputing_is_measured_cheaper(model_dir, tmp_path):
     # The decision rule of every archive lookup: fetch while this worker has no rates yet; once it has, fetch only
     # when bytes / bandwidth + first-byte latency beat the recompute estimate; always_fetch overrides it.
-    store = KVStore(weights_identity(model_dir), KVStoreConfig(), FileStorage(tmp_path / "s3"))
+    store = KVStore(weights_identity(model_dir), KVStoreConfig(archive_key=ARCHIVE_KEY), FileStorage(tmp_path / "s3"))
     engine = Engine.from_model_dir(model_dir, num_blocks=64, kv_store=store)
     try:
         tiers, shape = engine.tiers, (64, 128)  # an encoder output of 64 tokens: 32 KiB
@@ -168,7 +170,7 @@ def test_a_fresh_engine_does_not_keep_the_old_kv_cache(model_dir, tmp_path):
     import gc
     import weakref
 
-    store = KVStore(weights_identity(model_dir), KVStoreConfig(), FileStorage(tmp_path / "s3"))
+    store = KVStore(weights_identity(model_dir), KVStoreConfig(archive_key=ARCHIVE_KEY), FileStorage(tmp_path / "s3"))
     old = Engine.from_model_dir(model_dir, num_blocks=64, kv_store=store)
     kv = weakref.ref(old.runner.kv_caches[0][0])
     new = old.fresh()

@@ -4,6 +4,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import threading
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -107,6 +110,137 @@ def test_every_bad_line_is_refused_with_its_number_and_nothing_is_enqueued(clien
     assert queued(client) == 0 and not client.redis.keys(keys.job("*"))
     failed = client.batch(err.value.batch_id).refresh()
     assert failed["status"] == "failed" and [e["line"] for e in failed["errors"]["data"]] == expected
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_what_enqueueing_would_fail_on_is_refused_at_parse_time_with_the_lines_number(client: Client,
+                                                                                      tmp_path: Path) -> None:
+    # Issue 36 item 6: line 501's lone surrogate used to pass every rule and fail UTF-8 at enqueue, after the first
+    # 500 jobs were enqueued; deep nesting raised RecursionError out of submit_batch
+    (tmp_path / "img.png").write_bytes(png())
+    good = [line(f"ok-{i}", "img.png") for i in range(500)]
+    bad = [line("x1", "img.png", text="What is \ud800?"),  # json.dumps writes the escape "\ud800"
+           line("\udc80", "img.png"),
+           line("x3", "img.png").replace('"max_tokens": 4', f'"stop": {nested(100_000)}, "max_tokens": 4'),
+           line("x4", "img.png").replace('"max_tokens": 4', f'"stop": {nested(33)}, "max_tokens": 4'),
+           line("x5", "img\u0000.png"), line("x6", "img\ud800.png"), line("x7", "data:image/png;base64,\u00e9")]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(good + bad) + "\n")
+    with pytest.raises(BatchInvalid) as err:
+        client.submit_batch(path, metadata={"team": "vision"})
+    codes = {e.line: e.code for e in err.value.errors}
+    assert codes == {501: "bad_prompt", 502: "bad_custom_id", 503: "bad_json", 504: "bad_json",
+                     505: "bad_image_source", 506: "bad_image_source", 507: "bad_image_source"}, codes
+    assert "line 501: bad_prompt: prompt is not valid Unicode text" in str(err.value)
+    assert "nested deeper than 32 levels" in str(err.value)
+    assert queued(client) == 0 and not client.redis.keys(keys.job("*"))
+    assert client.batch(err.value.batch_id).refresh()["status"] == "failed"
+    with pytest.raises(InvalidRequest) as bad_metadata:
+        client.submit_batch(path, metadata={"team": {"nested": "dict"}})  # type: ignore[dict-item]
+    assert bad_metadata.value.code == "bad_metadata"
+    path.write_text("\n".join(good) + "\n")
+    assert client.submit_batch(path).refresh()["request_counts"]["total"] == 500 and queued(client) == 500
+
+
+def test_submit_refuses_text_that_is_not_utf8_as_invalid_request(client: Client) -> None:
+    cases = [({"prompt": "What is \ud800?"}, "bad_prompt"), ({"idempotency_key": "k\ud800"}, "bad_idempotency_key"),
+             ({"webhook": "https://hooks.example.com/\ud800"}, "bad_webhook"),
+             ({"image": "img\x00.png"}, "bad_image_source"), ({"image": "data:image/png;base64,\u00e9"},
+                                                                "bad_image_source")]
+    for change, code in cases:
+        request = {"image": png(), "prompt": "How many shapes?"} | change
+        with pytest.raises(InvalidRequest) as err:
+            client.submit(request.pop("image"), request.pop("prompt"), **request)
+        assert err.value.code == code, (change, err.value)
+        with pytest.raises(InvalidRequest) as err:
+            client.submit_many([{"image": png(), "prompt": "How many shapes?"} | change])
+        assert err.value.code == code
+    assert queued(client) == 0 and not client.redis.keys(keys.job("*"))
+
+
+def test_local_paths_stay_in_the_batch_files_folder_unless_the_caller_opts_in(client: Client, tmp_path: Path) -> None:
+    # Issue 36 item 7: a batch file could have any image on the producer's disk described, and tell files that
+    # exist from files that do not
+    folder = tmp_path / "batch"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "img.png").write_bytes(png())
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(png(90, 30))
+    (folder / "link.png").symlink_to(secret)
+    outside = ["../secret.png", str(secret), f"file://{secret}", "link.png", "sub/../../secret.png",
+               "../missing.png", str(tmp_path / "missing.png"), "/etc/passwd"]
+    inside = ["img.png", "sub/../img.png", f"file://{folder / 'img.png'}", str(folder / "img.png")]
+    path = folder / "requests.jsonl"
+    path.write_text("".join(line(f"r{i}", ref) + "\n" for i, ref in enumerate(outside + inside)))
+    with pytest.raises(BatchInvalid) as err:
+        client.submit_batch(path)
+    codes = {e.line: e.code for e in err.value.errors}
+    assert codes == {n: "image_outside_folder" for n in range(1, len(outside) + 1)}, codes  # missing or not alike
+    assert "allow_outside_paths=True" in str(err.value) and queued(client) == 0
+    path.write_text("".join(line(f"r{i}", ref) + "\n" for i, ref in enumerate(outside[:5] + inside)))
+    batch = client.submit_batch(path, allow_outside_paths=True)  # the caller trusts this file
+    assert batch.refresh()["request_counts"]["total"] == 9 and queued(client) == 9
+
+
+def test_only_regular_files_are_read_and_a_fifo_does_not_hang_submit(client: Client, tmp_path: Path) -> None:
+    (tmp_path / "img.png").write_bytes(png())
+    (tmp_path / "folder.png").mkdir()
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(line(f"r{i}", ref) + "\n" for i, ref in enumerate(["pipe.png", "folder.png", "img.png"])))
+    outcome: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            client.submit_batch(path)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(e)
+
+    worker = threading.Thread(target=submit, daemon=True)
+    worker.start()
+    worker.join(30)
+    if worker.is_alive():  # the old code blocks in open() until a writer comes: be that writer, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(30)
+        pytest.fail("submit_batch hung opening a FIFO")
+    [err] = outcome
+    assert isinstance(err, BatchInvalid), err
+    assert {e.line: e.code for e in err.errors} == {1: "bad_image_source", 2: "bad_image_source"}
+    assert str(err).count("is not a regular file") == 2 and queued(client) == 0
+    with pytest.raises(InvalidRequest, match="not a regular file"):
+        client.submit(str(fifo), "How many shapes?")
+    path.write_text("".join(line(f"r{i}", ref) + "\n" for i, ref in enumerate(["/dev/zero", "/dev/null"])))
+    with pytest.raises(BatchInvalid) as devices:  # devices are refused even when the caller trusts the file
+        client.submit_batch(path, allow_outside_paths=True)
+    assert [(e.code, "is not a regular file" in e.message) for e in devices.value.errors] == \
+        [("bad_image_source", True)] * 2
+
+
+def test_an_image_named_by_many_lines_is_read_and_held_once(client: Client, tmp_path: Path) -> None:
+    side = 2240  # an incompressible PNG of about 15 MB
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (side, side), os.urandom(side * side * 3)).save(buf, "PNG", compress_level=0)
+    big = buf.getvalue()
+    assert 14e6 < len(big) < 16e6
+    (tmp_path / "big.png").write_bytes(big)
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(line(f"r{i}", "big.png") + "\n" for i in range(20)))
+    assert path.stat().st_size < 6000
+    del big, buf
+    tracemalloc.start()
+    try:
+        batch = client.submit_batch(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert batch.refresh()["request_counts"]["total"] == 20 and queued(client) == 20
+    assert peak < 4 * 15e6, f"submit_batch held {peak / 2**20:.0f} MiB for one 15 MB image named 20 times"
+    stored = list((tmp_path / "store").rglob("inputs/*"))
+    assert len(stored) == 1 and stored[0].stat().st_size == (tmp_path / "big.png").stat().st_size
 
 
 def test_cancel_stops_every_queued_request_with_consistent_counts(client: Client, tmp_path: Path) -> None:

@@ -144,3 +144,13 @@ def test_batch_commands(pool, capsys, tmp_path: Path) -> None:
     bad.write_text('{"custom_id": "x"}\n')
     code, _, err = run(capsys, "batch", "submit", str(bad), *flags)
     assert code == 1 and "line 1: bad_method" in err
+    outside = tmp_path / "sub" / "outside.jsonl"  # issue 36 item 7: ../img.png leads out of the file's folder
+    outside.parent.mkdir()
+    outside.write_text(path.read_text().replace('"img.png"', '"../img.png"'))
+    code, _, err = run(capsys, "batch", "submit", str(outside), *flags)
+    assert code == 1 and "line 1: image_outside_folder" in err and "--allow-outside-paths" in err
+    code, out, _ = run(capsys, "batch", "submit", str(outside), "--allow-outside-paths", *flags)
+    assert code == 0 and out.strip().startswith("batch_")
+    bad.write_text('{"custom_id": "x", "body": ' + "[" * 100_000 + "]" * 100_000 + "}\n")  # issue 36 item 6
+    code, _, err = run(capsys, "batch", "submit", str(bad), *flags)
+    assert code == 1 and "line 1: bad_json" in err and "nested deeper than 32 levels" in err

@@ -101,7 +101,8 @@ def test_every_setting_round_trips_through_the_environment() -> None:
                        webhook_timeout=2.5, webhook_concurrency=3, webhook_inline_max=4, webhook_poll=0.25,
                        webhook_ca_file="/etc/vlmq/ca.pem",
                        fake_gpus="0,1", metrics_port=9100, worker_events=True, log_format="json",
-                       kv_archive=0, kv_archive_bytes=19, kv_archive_quant="tiny=int8", kv_host_bytes=20,
+                       kv_archive=0, kv_archive_key="k" * 32, kv_archive_bytes=19, kv_archive_quant="tiny=int8",
+                       kv_host_bytes=20,
                        kv_disk_dir="/d", kv_disk_bytes=21, affinity=False, affinity_queue_bound=19, affinity_ttl=20,
                        speculative="ngram",
                        tenant_cache_sharing=True)

@@ -1,6 +1,7 @@
 """Storage: the same behaviour over file:// and a real S3-compatible server."""
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,19 @@ def test_put_get_exists_delete(storage: Storage) -> None:
     assert not storage.exists("inputs/abc")
     with pytest.raises(KeyError):
         storage.get("inputs/abc")
+
+
+def test_an_address_holds_its_content_only_when_the_store_vouches_for_the_bytes(storage: Storage) -> None:
+    # issue 36 item 4: "an object exists at inputs/<sha256(X)>" does not mean it holds X
+    x, y = b"the bytes of X", b"the bytes of Y"
+    key = f"inputs/{hashlib.sha256(x).hexdigest()}"
+    assert not storage.holds(key, hashlib.sha256(x).hexdigest())
+    storage.put(key, y)  # anyone who can write the bucket
+    assert storage.exists(key) and not storage.holds(key, hashlib.sha256(x).hexdigest())
+    storage.put_addressed(key, x)
+    assert storage.holds(key, hashlib.sha256(x).hexdigest()) and storage.get(key) == x
+    storage.put(key, x)  # the right bytes without a checksum the store keeps: S3 cannot vouch, so written again
+    assert storage.holds(key, hashlib.sha256(x).hexdigest()) is isinstance(storage, FileStorage)
 
 
 def test_put_if_absent_lets_exactly_one_writer_win(storage: Storage) -> None:

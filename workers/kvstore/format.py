@@ -1,6 +1,12 @@
-"""The archive object format: one self-describing, checksummed blob per archived KV item.
+"""The archive object format: one self-describing, authenticated blob per archived KV item.
 
-    blob = MAGIC (8 bytes) ‖ header length (uint32, little-endian) ‖ msgpack header ‖ payload
+    blob = MAGIC (8 bytes) ‖ header length (uint32, little-endian) ‖ msgpack header ‖ payload ‖ tag (32 bytes)
+    tag  = HMAC-SHA256(archive key, everything before it)
+
+The archive key (``VLMQ_KV_ARCHIVE_KEY``) is held by workers only. Anyone who can write ``kv/`` (an untenanted
+producer, every process on a ``file://`` store) could otherwise take image Y's object, put image X's key in its
+header, and have X answered with Y's encoder output: a checksum over the payload alone proves nothing about
+the header, and one anybody can compute proves nothing at all.
 
 The header is a msgpack map:
     format   int    FORMAT_VERSION
@@ -11,15 +17,16 @@ The header is a msgpack map:
     dtype    str    the dtype of the restored tensor (the cache dtype)
     quant    str    "" (lossless), "int8" or "fp8"
     tensors  list   [[name, dtype, shape], ...] in payload order, each C-contiguous
-    checksum str    sha256 hex of the payload
 
-Decoding never unpickles and never calls torch.load: it parses the header with size limits, checks every field
-against what the caller expects, verifies the checksum, and only then views the payload as tensors. Any mismatch
-raises BadObject, which the store counts as a miss (the caller recomputes).
+Decoding never unpickles and never calls torch.load: it parses the header with size limits, checks its version,
+verifies the tag, checks every field against what the caller expects (the key the object was fetched under,
+the model), and only then views the payload as tensors. Any mismatch raises BadObject, which the store counts
+as a miss (the caller recomputes). Format 1 (a payload checksum, no tag) is refused as ``old_version``.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 from math import prod
@@ -29,8 +36,10 @@ import torch
 
 from vlmq.kernels.kv import dequantize_kv_blocks, quantize_kv_blocks
 
-FORMAT_VERSION = 1
-MAGIC = b"VLMQKV1\n"
+FORMAT_VERSION = 2  # 2: authenticated with the archive key; 1: a payload checksum only
+MAGIC = b"VLMQKV1\n"  # the family of formats (the version is in the header)
+TAG_BYTES = 32  # HMAC-SHA256
+MIN_SECRET_BYTES = 16
 MAX_HEADER_BYTES = 1 << 16
 KINDS = ("enc", "prefix")
 QUANTS = {"": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -76,8 +85,14 @@ def _payload(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list, bytes]:
     return specs, b"".join(parts)
 
 
-def encode(kind: str, key: str, model: str, tensor: torch.Tensor, quant: str = "") -> bytes:
-    """Serialise one item; `quant` "int8" / "fp8" stores it quantised (symmetric, see vlmq.kernels.kv)."""
+def _tag(secret: bytes, signed: bytes | memoryview) -> bytes:
+    assert len(secret) >= MIN_SECRET_BYTES, "the archive key is too short"
+    return hmac.new(secret, signed, hashlib.sha256).digest()
+
+
+def encode(kind: str, key: str, model: str, tensor: torch.Tensor, quant: str = "", *, secret: bytes) -> bytes:
+    """Serialise one item, signed with `secret`; `quant` "int8" / "fp8" stores it quantised (symmetric, see
+    vlmq.kernels.kv)."""
     assert kind in KINDS and quant in QUANTS, (kind, quant)
     if quant:
         q, scales = quantize_kv_blocks(_as_blocks(tensor.detach().float().contiguous(), kind), QUANTS[quant],
@@ -87,14 +102,15 @@ def encode(kind: str, key: str, model: str, tensor: torch.Tensor, quant: str = "
         tensors = [("data", tensor)]
     specs, payload = _payload(tensors)
     header = {"format": FORMAT_VERSION, "kind": kind, "key": key, "model": model, "layout": LAYOUTS[kind],
-              "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "quant": quant, "tensors": specs,
-              "checksum": hashlib.sha256(payload).hexdigest()}
+              "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "quant": quant, "tensors": specs}
     raw = msgpack.packb(header, use_bin_type=True)
-    return MAGIC + struct.pack("<I", len(raw)) + raw + payload
+    signed = MAGIC + struct.pack("<I", len(raw)) + raw + payload
+    return signed + _tag(secret, signed)
 
 
 def read_header(blob: bytes) -> tuple[dict, memoryview]:
-    """The parsed header and the payload bytes; BadObject if the framing or the header is malformed."""
+    """The parsed header and the payload bytes (not yet authenticated); BadObject if the framing or the header
+    is malformed, ``old_version`` for an older format, ``bad_version`` for a newer one."""
     if len(blob) < len(MAGIC) + 4 or blob[:len(MAGIC)] != MAGIC:
         raise BadObject("not_archive", "no vlmq KV magic (a pickle, or another file)")
     (n,) = struct.unpack_from("<I", blob, len(MAGIC))
@@ -106,14 +122,23 @@ def read_header(blob: bytes) -> tuple[dict, memoryview]:
                                  max_ext_len=0, max_str_len=4096, max_array_len=64, max_map_len=32)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise BadObject("bad_header", str(e)) from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
-        raise BadObject("bad_version", f"format {header.get('format') if isinstance(header, dict) else None}")
-    return header, memoryview(blob)[start + n:]
+    version = header.get("format") if isinstance(header, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version < FORMAT_VERSION:
+        raise BadObject("old_version", f"format {version}: written before archive objects were authenticated")
+    if version != FORMAT_VERSION:
+        raise BadObject("bad_version", f"format {version}")
+    if start + n + TAG_BYTES > len(blob):
+        raise BadObject("truncated", "no room for the tag")
+    return header, memoryview(blob)[start + n:len(blob) - TAG_BYTES]
 
 
-def decode(blob: bytes, expected: Expected) -> torch.Tensor:
-    """The item's tensor ([shape] in the expected dtype, on CPU), or BadObject if anything does not match."""
+def decode(blob: bytes, expected: Expected, *, secret: bytes) -> torch.Tensor:
+    """The item's tensor ([shape] in the expected dtype, on CPU), or BadObject if anything does not match: an
+    object not signed with `secret` is ``unauthenticated``, one signed for another key ``wrong_key``."""
     header, payload = read_header(blob)
+    signed = memoryview(blob)[:len(blob) - TAG_BYTES]
+    if not hmac.compare_digest(_tag(secret, signed), bytes(memoryview(blob)[len(blob) - TAG_BYTES:])):
+        raise BadObject("unauthenticated", "not signed with this pool's archive key (forged, truncated or corrupt)")
     _check_header(header, expected)
     tensors = _tensors(header, payload)
     if header["quant"]:
@@ -144,8 +169,6 @@ def _check_header(header: dict, exp: Expected) -> None:
 
 
 def _tensors(header: dict, payload: memoryview) -> dict[str, torch.Tensor]:
-    if hashlib.sha256(payload).hexdigest() != header.get("checksum"):
-        raise BadObject("checksum", "payload does not match its checksum (truncated or corrupt)")
     specs = header.get("tensors")
     if not isinstance(specs, list):
         raise BadObject("bad_header", "no tensor list")

@@ -13,24 +13,28 @@ On CUDA, `demote` and `archive` start the device-to-host copy into pinned memory
 store's thread waits for the copy, not the step loop. The host tier's tensors are pinned, so the engine's restore
 from host memory is an asynchronous copy too.
 
-An archive object that fails verification is deleted (objects are written once: a bad one would otherwise keep
-the good one out forever), except one of a newer format version, which this worker merely cannot read.
+Disk and archive objects are signed (format.py): the archive with `KVStoreConfig.archive_key`, which every worker
+of the pool shares and no producer holds; the disk tier, this worker's own scratch space, with it or with a
+random key of this process. An archive object that fails verification is deleted (objects are written once: a
+bad one would otherwise keep the good one out forever), except one of a newer format version, which this worker
+merely cannot read.
 """
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from vlmq.storage import Storage
 
-from .format import QUANTS, BadObject, Expected, decode, encode
+from .format import MIN_SECRET_BYTES, QUANTS, BadObject, Expected, decode, encode
 from .tiers import ArchiveTier, DiskTier, HostTier, ItemKey, TierStats
 
 log = logging.getLogger(__name__)
@@ -51,8 +55,12 @@ class KVStoreConfig:
     # a request waits for its lookups twice the recompute estimate plus this (host and disk lookups cost a little
     # even when recomputing is free); more trades first-token latency for reuse on a loaded machine
     wait_grace_s: float = 0.05
+    # signs and verifies archive objects (VLMQ_KV_ARCHIVE_KEY): the same on every worker, never on a producer
+    archive_key: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
+        if self.archive_key and len(self.archive_key) < MIN_SECRET_BYTES:
+            raise ValueError(f"KVStoreConfig.archive_key must have at least {MIN_SECRET_BYTES} bytes")
         if self.quant not in QUANTS:
             raise ValueError(f"KV archive quantisation must be one of {sorted(QUANTS)}, got {self.quant!r}")
         for name in ("host_bytes", "disk_bytes", "archive_bytes", "max_pending_bytes", "wait_grace_s"):
@@ -87,7 +95,11 @@ class RateModel:
 
 class KVStore:
     def __init__(self, model_hash: str, config: KVStoreConfig, storage: Storage | None = None) -> None:
+        if storage is not None and not config.archive_key:
+            raise ValueError("a KV archive needs KVStoreConfig.archive_key (VLMQ_KV_ARCHIVE_KEY): without it anyone "
+                             "who can write kv/ could make workers answer with another image's KV")
         self.model_hash, self.config = model_hash, config
+        self._secret = config.archive_key or secrets.token_bytes(32)  # no archive: the disk tier's alone
         self.host = HostTier(config.host_bytes)
         self.disk = DiskTier(config.disk_dir, config.disk_bytes) if config.disk_dir and config.disk_bytes else None
         self.archive_tier = ArchiveTier(storage, model_hash, config.archive_bytes) if storage is not None else None
@@ -113,6 +125,8 @@ class KVStore:
 
     def fetch(self, kind: str, key: str, expected: Expected, use_archive: bool) -> Future:
         """Future of the item's tensor (CPU, verified) or None: a miss, a bad object or a failed store."""
+        # an object is accepted only if its signed header names the key it is fetched under
+        assert (expected.kind, expected.key) == (kind, key), (kind, key, expected)
         return self._fetch.submit(self._guarded, self._lookup, (kind, key), expected, use_archive)
 
     def fetch_chain(self, kind: str, expected: list[Expected], use_archive: bool) -> Future:
@@ -173,7 +187,7 @@ class KVStore:
             evicted = self.host.put(item, tensor)
         for old, t in evicted:  # host is full: its least recently used items go down a tier
             if self.disk is not None:
-                blob = encode(old[0], old[1], self.model_hash, t)
+                blob = encode(old[0], old[1], self.model_hash, t, secret=self._secret)
                 with self._lock:
                     self.disk.put(old, blob)
             if old[0] == "prefix":
@@ -182,7 +196,8 @@ class KVStore:
     def _upload(self, item: ItemKey, tensor: torch.Tensor) -> None:
         if self.archive_tier is None or item in self._archived:
             return
-        self.archive_tier.put(item, encode(item[0], item[1], self.model_hash, tensor, self.config.quant))
+        self.archive_tier.put(item, encode(item[0], item[1], self.model_hash, tensor, self.config.quant,
+                                           secret=self._secret))
         self._remember_archived(item)
 
     def _remember_archived(self, item: ItemKey) -> None:
@@ -235,7 +250,7 @@ class KVStore:
     def _decode(self, stats: TierStats, blob: bytes, expected: Expected) -> tuple[torch.Tensor | None, str]:
         """The verified tensor, or None and why it was refused (format.BadObject.reason)."""
         try:
-            t = decode(blob, expected)
+            t = decode(blob, expected, secret=self._secret)
         except BadObject as e:
             log.warning("refused a KV object (%s %s): %s", expected.kind, expected.key[:16], e)
             stats.bad_objects += 1
