@@ -35,8 +35,9 @@ def main(argv: list[str]) -> int:
               f"{sys.version.split()[0]}); written by scripts/freeze_constraints.py, not by hand.",
               "# pip install torch==2.13.0 && pip install -c constraints.txt -e \".[worker,demo]\"  (torch: your "
               "build, not pinned here)"]
-    out.write_text("\n".join(header + frozen()) + "\n")
-    print(f"wrote {out} ({len(frozen())} pins)")
+    pins = frozen()
+    out.write_text("\n".join(header + pins) + "\n")
+    print(f"wrote {out} ({len(pins)} pins)")
     return 0
 
 

@@ -25,10 +25,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from vlmq.settings import Settings
 
 LOG_TAIL_LINES = 15
+READY_MARKER = " ready."  # what a worker's log says once it serves (Celery's "celery@... ready.")
 
 
 class ChildFailed(RuntimeError):
@@ -42,7 +44,6 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path | None = None
-    ready_marker: str = " ready."  # what its log says once it serves (Celery's "celery@... ready.")
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -50,7 +51,7 @@ class Child:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def is_ready(self) -> bool:
-        return self.log_path is None or self.ready_marker in self.log_path.read_text(errors="replace")
+        return self.log_path is None or READY_MARKER in self.log_path.read_text(errors="replace")
 
     def failure(self, what: str) -> ChildFailed:
         where = f" (log: {self.log_path})" if self.log_path else ""
@@ -95,21 +96,16 @@ def wait_ready(children: Sequence[Child], timeout: float, poll: float = 0.2) -> 
 def stop_children(children: Sequence[Child], timeout: float = 20.0) -> None:
     """SIGTERM every child at once (Celery's warm shutdown: each hands back or finishes its jobs), then SIGKILL
     what outlives ``timeout``."""
-    stop_processes([child.proc for child in children], timeout)
-
-
-def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
-    """SIGTERM every process at once, then SIGKILL what outlives ``timeout``."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    for proc in procs:
+    for child in children:
         try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            child.proc.kill()
+            child.proc.wait()
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -117,23 +113,21 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 @contextlib.contextmanager
-def signals_interrupt() -> Iterator[None]:
+def _handled(signums: tuple[signal.Signals, ...], handler: Any) -> Iterator[None]:
+    previous = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def signals_interrupt() -> contextlib.AbstractContextManager[None]:
     """SIGTERM and SIGHUP raise KeyboardInterrupt inside the block (as Ctrl-C's SIGINT does), so ``finally``
     clauses stop the children; on leaving, the previous handlers come back."""
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    return _handled((signal.SIGTERM, signal.SIGHUP), _interrupt)
 
 
-@contextlib.contextmanager
-def signals_ignored() -> Iterator[None]:
+def signals_ignored() -> contextlib.AbstractContextManager[None]:
     """SIGTERM, SIGHUP and SIGINT ignored inside the block: a second signal must not cut a clean-up short."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    return _handled((signal.SIGTERM, signal.SIGHUP, signal.SIGINT), signal.SIG_IGN)

@@ -17,10 +17,9 @@ from typing import TextIO
 class Progress:
     """Report ``done`` out of ``total`` to ``stream``."""
 
-    def __init__(self, unit: str, stream: TextIO, *, label: str = "", interval: float = 5.0,
-                 tty: bool | None = None) -> None:
+    def __init__(self, unit: str, stream: TextIO, *, label: str = "", interval: float = 5.0) -> None:
         self.unit, self.stream, self.label, self.interval = unit, stream, label, interval
-        self.tty = stream.isatty() if tty is None else tty
+        self.tty = stream.isatty()
         self.started = self.last_line = time.monotonic()
         self.last_step = -1  # the last 10% step a plain line was printed for
         self.drawn = False

@@ -55,6 +55,12 @@ class Command:
             self.text += self.lines.get()
         return code
 
+    def __enter__(self) -> Command:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.kill_group()
+
     def kill_group(self) -> None:
         """Leave nothing behind, whatever the test found (its pipe closed too)."""
         if self.proc.poll() is None:
@@ -66,11 +72,8 @@ class Command:
 
 
 def test_demo_answers_every_job_and_logs_progress_as_lines() -> None:
-    demo = Command("demo")
-    try:
+    with Command("demo") as demo:
         code = demo.finish(timeout=480)
-    finally:
-        demo.kill_group()
     assert code == 0, demo.text[-4000:]
     assert "16/16 finished" in demo.text
     assert "webhooks: 16/16" in demo.text
@@ -87,65 +90,49 @@ def broken_model(tmp_path: Path) -> str:
     return f"tiny-shapes={broken}"
 
 
+def _fails_fast_naming_the_cause(command: Command, started: str, who: str) -> float:
+    """Wait for the command to exit after `started` is printed; returns its seconds from start. It must exit 1,
+    name the child that exited and its cause, and leave none of its processes running."""
+    begun = time.monotonic()
+    with command:
+        command.wait_for(started, timeout=60)
+        children = descendants(command.proc.pid)
+        code = command.finish(timeout=60)
+    assert code == 1, command.text[-4000:]
+    assert f"the {who} exited with status 1" in command.text
+    assert "cannot load model 'tiny-shapes': ValueError: no *.safetensors files in" in command.text  # its log's end
+    assert not [f"{pid} {name}" for pid, name in children.items() if alive(pid)]
+    return time.monotonic() - begun
+
+
 def test_demo_whose_worker_cannot_load_its_model_exits_quickly_with_the_cause(broken_model: str) -> None:
-    started = time.monotonic()
     demo = Command("demo", env=_env(VLMQ_MODELS=broken_model))
-    children: dict[int, str] = {}
-    try:
-        demo.wait_for("starting one CPU worker", timeout=60)
-        children = descendants(demo.proc.pid)
-        code = demo.finish(timeout=60)
-    finally:
-        demo.kill_group()
-    elapsed = time.monotonic() - started
-    assert code == 1, demo.text[-4000:]
+    elapsed = _fails_fast_naming_the_cause(demo, "starting one CPU worker", "worker")
     assert elapsed < 30, f"{elapsed:.1f} s"
-    assert "the worker exited with status 1" in demo.text
-    assert "cannot load model 'tiny-shapes': ValueError: no *.safetensors files in" in demo.text  # its log's end
-    assert not [f"{pid} {name}" for pid, name in children.items() if alive(pid)]
-
-
-def _children_once_running(command: Command, needle: str) -> dict[int, str]:
-    command.wait_for(needle, timeout=300)
-    found = descendants(command.proc.pid)
-    assert "valkey-server" in found.values() and len(found) >= 2, found
-    return found
-
-
-def _assert_signal_stops_everything(command: Command, children: dict[int, str], signum: int, code: int) -> None:
-    os.kill(command.proc.pid, signum)  # the process alone, as a supervisor or `kill` sends it
-    assert command.finish(timeout=90) == code, command.text[-3000:]
-    assert not [f"{pid} {name}" for pid, name in children.items() if alive(pid)]
-
-
-def test_sigterm_stops_a_running_demo_and_everything_it_started() -> None:
-    demo = Command("demo", "--jobs", "64")
-    try:
-        children = _children_once_running(demo, "submitted 64 jobs")
-        _assert_signal_stops_everything(demo, children, signal.SIGTERM, 130)
-    finally:
-        demo.kill_group()
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_stops_vlmq_up_and_everything_it_started(signum: int) -> None:
-    up = Command("up", "--workers", "1")
-    try:
-        children = _children_once_running(up, "Ctrl-C stops")
-        _assert_signal_stops_everything(up, children, signum, 0)
-    finally:
-        up.kill_group()
 
 
 def test_vlmq_up_whose_worker_cannot_load_its_model_exits_with_the_cause(broken_model: str) -> None:
     up = Command("up", "--workers", "1", env=_env(VLMQ_MODELS=broken_model))
-    try:
-        code = up.finish(timeout=60)
-    finally:
-        up.kill_group()
-    assert code == 1, up.text[-3000:]
-    assert "the worker 0 exited with status 1" in up.text
-    assert "cannot load model 'tiny-shapes'" in up.text
+    _fails_fast_naming_the_cause(up, "starting 1 worker", "worker 0")
+
+
+def _assert_signal_stops_everything(command: Command, needle: str, signum: int, code: int) -> None:
+    with command:
+        command.wait_for(needle, timeout=300)
+        children = descendants(command.proc.pid)
+        assert "valkey-server" in children.values() and len(children) >= 2, children
+        os.kill(command.proc.pid, signum)  # the process alone, as a supervisor or `kill` sends it
+        assert command.finish(timeout=90) == code, command.text[-3000:]
+    assert not [f"{pid} {name}" for pid, name in children.items() if alive(pid)]
+
+
+def test_sigterm_stops_a_running_demo_and_everything_it_started() -> None:
+    _assert_signal_stops_everything(Command("demo", "--jobs", "64"), "submitted 64 jobs", signal.SIGTERM, 130)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_stops_vlmq_up_and_everything_it_started(signum: int) -> None:
+    _assert_signal_stops_everything(Command("up", "--workers", "1"), "Ctrl-C stops", signum, 0)
 
 
 def test_vlmq_worker_that_cannot_load_its_model_exits_with_one_line(broken_model: str, redis_url: str) -> None:

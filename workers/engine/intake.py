@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from vlmq.images import pixel_hash
-from vlmq.workers.models.processor import ChatPrompt
+from vlmq.workers.models.processor import ChatPrompt, single_turn
 
 from .encoder_cache import make_key
 from .errors import RequestRejected
@@ -89,13 +89,17 @@ class Preprocessor:
         messages, images = _chat(req)
         sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature,
                                   req.seed)
-        check_text_tokens(self._text_tokens(req, messages, len(images)), req)
+        template_ids = self.chat.template_ids(messages)  # each image one placeholder: checked before any pixel work
+        check_text_tokens(self.chat.text_tokens(template_ids), req)
         try:
             pixel_values, grid_thw = self.image_preprocessor(list(images))  # patches [P, D] or tiles [T, 3, S, S]
         except ValueError as e:
             raise RequestRejected(str(e), "invalid_image") from e
         counts = self.model.image_counts(grid_thw)  # (encoder patches, LM tokens) of each image
-        ids, offsets = self._ids(req, messages, [tokens for _, tokens in counts])
+        try:
+            ids, offsets = self.chat.expand(template_ids, [tokens for _, tokens in counts])
+        except ValueError as e:  # a template that places images elsewhere than the image parts say
+            raise RequestRejected(str(e), "invalid_prompt") from e
         positions, delta = self.positions(ids, grid_thw, req.max_new_tokens)
         # Without sharing, every request gets its own key: no encoder-cache or image-prefix reuse across requests.
         settings = self.settings if self.share else {**self.settings, "request": request_id}
@@ -105,21 +109,6 @@ class Preprocessor:
         seq = Sequence(request_id, ids, images=placeholders, sampling=sampling, priority=req.priority,
                        cache_salt=req.cache_salt or "")
         return Prepared(seq, pixel_values, grid_thw, positions, delta)
-
-    def _ids(self, req: Request, messages: list[dict], num_tokens: list[int]) -> tuple[list[int], list[int]]:
-        if req.messages is None:  # one image and a question: the cached single-turn path
-            ids = self.prompt_ids(req.question, num_tokens[0])
-            return ids, [ids.index(self.image_token_id)]
-        try:
-            return self.chat.messages_ids(messages, num_tokens)
-        except ValueError as e:  # a template that places images elsewhere than the image parts say
-            raise RequestRejected(str(e), "invalid_prompt") from e
-
-    def _text_tokens(self, req: Request, messages: list[dict], num_images: int) -> int:
-        # prompt tokens but the images' own (each image's placeholder counted as one image token)
-        if req.messages is None:
-            return len(self.prompt_ids(req.question)) - 1
-        return len(self._ids(req, messages, [1] * num_images)[0]) - num_images
 
     def positions(self, ids: list[int], grid_thw: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, int]:
         try:
@@ -139,13 +128,14 @@ class Preprocessor:
 def _chat(req: Request) -> tuple[list[dict], tuple[Any, ...]]:
     """The request as chat messages and their images; refuses a request without an image or messages."""
     if req.messages is not None:
-        if sum(_image_parts(m) for m in req.messages) != len(req.images):
-            raise RequestRejected(f"the messages have {sum(_image_parts(m) for m in req.messages)} image parts and "
-                                  f"the request {len(req.images)} images", "invalid_prompt")
+        parts = sum(_image_parts(m) for m in req.messages)
+        if parts != len(req.images):
+            raise RequestRejected(f"the messages have {parts} image parts and the request {len(req.images)} images",
+                                  "invalid_prompt")
         return req.messages, req.images
     if req.image is None:
         raise RequestRejected("a request needs an image (PIL RGB) and a question, or messages", "invalid_image")
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": req.question}]}], (req.image,)
+    return single_turn(req.question), (req.image,)
 
 
 def _image_parts(message: dict) -> int:

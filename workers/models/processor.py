@@ -134,13 +134,14 @@ def load_processor(model_dir: str | Path) -> Qwen2VLImageProcessor | InternVLIma
     return processor
 
 
+def single_turn(question: str) -> list[dict]:
+    """The chat of one user turn: one image, then the question."""
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+
 def render_prompt(processor, question: str) -> str:
     """Chat text for one user turn (one image, then the question), with the assistant turn opened."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-_QUESTION = "\x00question\x00"  # stands for the user's text when the chat template is rendered
+    return processor.apply_chat_template(single_turn(question), tokenize=False, add_generation_prompt=True)
 
 
 _STAND_IN = re.compile("\x00(\\d+)\x00")  # text number i stands in the rendered template as NUL i NUL
@@ -163,49 +164,47 @@ def _stand_in_message(message: dict, texts: list[str]) -> dict:
 
 
 class ChatPrompt:
-    """`render_prompt` as token ids, with the user's text tokenized as plain text: an image token or
-    `<|im_start|>` a user types is text, never a control token (transformers' processor would parse it as one).
+    """A chat (OpenAI-style turns; image parts ``{"type": "image"}``) as token ids, the assistant turn opened,
+    with every text, whatever its role, tokenized as plain text: an image token or `<|im_start|>` a user types is
+    text, never a control token (transformers' processor would parse it as one).
 
-    The template is tokenized once around a stand-in; it puts control tokens on both sides of the question, so
-    tokenizing the three parts apart gives the same ids as tokenizing the whole (for text without control tokens).
+    The template is rendered once per shape of the chat (roles, part kinds) with a stand-in for each text and
+    tokenized around them; it puts control tokens between a text and its neighbours, so tokenizing the parts apart
+    gives the same ids as tokenizing the whole (for text without control tokens). Its own logic must not depend on
+    the texts. `ids(question)` is the one-turn chat of `render_prompt`.
     """
 
     def __init__(self, processor, cache_size: int = 4096) -> None:
-        self.tokenizer = processor.tokenizer
+        self.processor, self.tokenizer = processor, processor.tokenizer
         self.image_token_id = processor.image_token_id  # the template's placeholder for one image
         self.image_span = processor.image_span
-        head, tail = render_prompt(processor, _QUESTION).split(_QUESTION)
         self._lock = threading.Lock()  # a fast tokenizer must not be entered from two threads at once
-        self.head, self.tail = self._tokenize(head, add_special_tokens=True), self._tokenize(tail)
-        self._cache: dict[str, list[int]] = {}  # question -> ids with one image pad
-        self._cache_size = cache_size  # bounded: prompts are free-form text
-        self.processor = processor
         self._shapes: dict[str, list[tuple[str, list[int]]]] = {}  # chat shape -> template segments
+        self._texts: dict[str, list[int]] = {}  # text -> its plain ids
+        self._cache_size = cache_size  # bounded: prompts are free-form text
 
     def ids(self, question: str, num_image_tokens: int = 1) -> list[int]:
-        """The prompt's ids with the image placeholder expanded for `num_image_tokens` LM tokens (`image_span`)."""
-        ids = self._cache.get(question)
-        if ids is None:
-            ids = self.head + self._tokenize(question, plain=True) + self.tail
-            if len(self._cache) >= self._cache_size:
-                self._cache.clear()
-            self._cache[question] = ids
-        at = ids.index(self.image_token_id)
-        return ids[:at] + self.image_span(num_image_tokens) + ids[at + 1:]
+        """The one-turn prompt's ids with the image placeholder expanded for `num_image_tokens` LM tokens."""
+        return self.expand(self.template_ids(single_turn(question)), [num_image_tokens])[0]
 
     def messages_ids(self, messages: list[dict], num_image_tokens: list[int]) -> tuple[list[int], list[int]]:
-        """Ids of a whole chat (OpenAI-style turns; image parts ``{"type": "image"}``), the assistant turn opened,
-        each image placeholder expanded for its image's LM tokens in order, and the offset of each image's first
-        image token. Every text, whatever its role, is tokenized as plain text; the template is rendered once per
-        shape of the chat (roles, part kinds), so its own logic must not depend on the texts.
+        """`expand(template_ids(messages), num_image_tokens)`."""
+        return self.expand(self.template_ids(messages), num_image_tokens)
 
-        Raises ValueError when the template placed another number of images than `num_image_tokens` has."""
+    def template_ids(self, messages: list[dict]) -> list[int]:
+        """The chat's ids with each image still one placeholder token (`image_token_id`)."""
         texts: list[str] = []
         shape = [_stand_in_message(m, texts) for m in messages]
-        segments = self._segments(shape)
         ids: list[int] = []
-        for kind, value in segments:
-            ids += value if kind == "ids" else self._tokenize("".join(texts[i] for i in value), plain=True)
+        for kind, value in self._segments(shape):
+            ids += value if kind == "ids" else self._plain("".join(texts[i] for i in value))
+        return ids
+
+    def expand(self, ids: list[int], num_image_tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Each placeholder of `ids` expanded for its image's LM tokens (`image_span`), in order, and the offset of
+        each image's first image token.
+
+        Raises ValueError when `ids` holds another number of placeholders than `num_image_tokens` has."""
         spans = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(spans) != len(num_image_tokens):
             raise ValueError(f"the chat template placed {len(spans)} images; the request has {len(num_image_tokens)}")
@@ -219,6 +218,20 @@ class ChatPrompt:
             out += span
             start = at + 1
         return out + ids[start:], offsets
+
+    def text_tokens(self, template_ids: list[int]) -> int:
+        """Prompt tokens that are not an image's own: an image's wrappers (InternVL's <img> </img>) count as text."""
+        num_images = template_ids.count(self.image_token_id)
+        return len(template_ids) + num_images * (len(self.image_span(1)) - 2)
+
+    def _plain(self, text: str) -> list[int]:
+        ids = self._texts.get(text)
+        if ids is None:
+            ids = self._tokenize(text, plain=True)
+            if len(self._texts) >= self._cache_size:
+                self._texts.clear()
+            self._texts[text] = ids
+        return ids
 
     def _segments(self, shape: list[dict]) -> list[tuple[str, list[int]]]:
         # ("ids", template token ids) and ("text", [indices of texts rendered side by side]), in prompt order
