@@ -25,6 +25,8 @@ class GenRequest:
     cache_salt: str | None = None  # cache entries are shared only among requests of one salt (jobrunner.cache_salt)
     temperature: float = 0.0  # 0 = greedy; otherwise sampled at this temperature (vlmq.rules: at most 2)
     seed: int | None = None  # with temperature > 0: the same seed gives the same tokens (None: fresh randomness)
+    stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first one it completes
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the answer as eos does
 
 
 @dataclass(slots=True)

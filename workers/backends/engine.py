@@ -130,7 +130,8 @@ def engine_request(request: GenRequest) -> Request:
                              code="bad_priority")
     return Request(request.image, request.prompt, request.max_new_tokens, request.ignore_eos,
                    priority=request.priority * PRIORITY_SCALE, temperature=request.temperature, seed=request.seed,
-                   max_text_tokens=request.max_text_tokens, cache_salt=request.cache_salt)
+                   max_text_tokens=request.max_text_tokens, cache_salt=request.cache_salt, stop=request.stop,
+                   stop_token_ids=request.stop_token_ids)
 
 
 def _gen_output(out: RequestOutput) -> GenOutput | Exception:

@@ -12,6 +12,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from vlmq.errors import InvalidRequest
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, is_canceled
 from vlmq.workers.engine.sequence import FinishReason
 from vlmq.workers.engine.spec_decode import position_generator
@@ -78,6 +79,10 @@ class HFBackend(Backend):
         outputs: dict[int, GenOutput | Exception] = {}
         groups: dict[tuple[int, bool], list[int]] = {}
         for i, r in enumerate(requests):
+            if r.stop or r.stop_token_ids:  # refused by name, never dropped
+                outputs[i] = InvalidRequest("the hf reference backend does not apply stop or stop_token_ids; "
+                                            "use the engine backend", code="invalid_stop")
+                continue
             groups.setdefault((r.max_new_tokens, r.ignore_eos), []).append(i)
         for (max_new, _), idx in groups.items():
             batch = [requests[i] for i in idx]

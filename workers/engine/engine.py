@@ -345,10 +345,12 @@ class Engine:
             self.proposer.drop(request_id)
             self.adaptive_k.forget(request_id)
         ids = seq.completion_token_ids if seq is not None else []
-        if reason is FinishReason.STOP and ids and ids[-1] in self.eos_token_ids:
+        if reason is FinishReason.STOP and ids and ids[-1] in seq.sampling.eos_token_ids:
             ids = ids[:-1]
         out.token_ids, out.finish_reason, out.error = ids, reason, error
         out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if seq is not None and seq.stopper is not None and seq.stopper.cut is not None:
+            out.text = out.text[:seq.stopper.cut]  # the answer ends before its stop string
         out.finish_time = time.perf_counter()
         self._done.append(out)
 

@@ -20,6 +20,7 @@ from .encoder_cache import make_key
 from .errors import RequestRejected
 from .preprocess import ImagePreprocessor
 from .sequence import FinishReason, ImagePlaceholder, SamplingParams, Sequence
+from .stopping import StopMatcher, check_stop
 
 
 @dataclass(slots=True)
@@ -41,6 +42,8 @@ class Request:
     # image part {"type": "image"}), rendered by the model's chat template; instead of image and question
     messages: list[dict] | None = None
     images: tuple[Any, ...] = ()  # with messages: PIL RGB images in the order of the image parts (none: text only)
+    stop: tuple[str, ...] = ()  # stop strings (at most 4): the answer ends before the first one completed
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the answer as eos does (left out of it)
 
     @classmethod
     def chat(cls, messages: list[dict], images: tuple[Any, ...] = (), **options: Any) -> Request:
@@ -87,8 +90,7 @@ class Preprocessor:
 
     def __call__(self, request_id: str, req: Request) -> Prepared:
         messages, images = _chat(req)
-        sampling = SamplingParams(req.max_new_tokens, () if req.ignore_eos else self.eos_token_ids, req.temperature,
-                                  req.seed)
+        sampling, stopper = self.sampling(req)
         template_ids = self.chat.template_ids(messages)  # each image one placeholder: checked before any pixel work
         check_text_tokens(self.chat.text_tokens(template_ids), req)
         try:
@@ -107,8 +109,24 @@ class Preprocessor:
                                               at, num_tokens, num_patches)
                              for image, at, (num_patches, num_tokens) in zip(images, offsets, counts, strict=True))
         seq = Sequence(request_id, ids, images=placeholders, sampling=sampling, priority=req.priority,
-                       cache_salt=req.cache_salt or "")
+                       cache_salt=req.cache_salt or "", stopper=stopper)
         return Prepared(seq, pixel_values, grid_thw, positions, delta)
+
+    def sampling(self, req: Request) -> tuple[SamplingParams, StopMatcher | None]:
+        """The request's sampling parameters and, where it has stop strings, their matcher."""
+        try:
+            stop = check_stop(req.stop)
+            if not all(isinstance(t, int) and 0 <= t < len(self.chat.tokenizer) for t in req.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be token ids of this model's vocabulary, got "
+                                 f"{list(req.stop_token_ids)}")
+        except ValueError as e:
+            raise RequestRejected(str(e), "invalid_stop") from e
+        eos = tuple(req.stop_token_ids) + (() if req.ignore_eos else self.eos_token_ids)
+        stopper = StopMatcher(stop, self._decode) if stop else None
+        return SamplingParams(req.max_new_tokens, eos, req.temperature, req.seed), stopper
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.chat.tokenizer.decode(ids, skip_special_tokens=True)  # as the engine decodes the answer
 
     def positions(self, ids: list[int], grid_thw: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, int]:
         try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from .stopping import StopMatcher
+
 SeqId = int | str
 
 
@@ -11,7 +13,7 @@ class SequenceStatus(Enum):
     WAITING = "waiting"  # never scheduled yet
     RUNNING = "running"  # holds KV blocks; scheduled every step it has budget
     PREEMPTED = "preempted"  # blocks freed; waits to recompute its whole token history
-    FINISHED_STOPPED = "finished_stopped"  # sampled an eos token
+    FINISHED_STOPPED = "finished_stopped"  # sampled an eos or stop token, or completed a stop string
     FINISHED_LENGTH = "finished_length"  # reached max_new_tokens
     FINISHED_ABORTED = "finished_aborted"  # abort() from the caller
 
@@ -75,10 +77,11 @@ class SamplingParams:
 class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "images", "sampling", "priority",
                  "arrival_step", "status", "num_computed_tokens", "num_cached_tokens", "block_table",
-                 "block_hashes", "spec_token_ids", "cache_salt")
+                 "block_hashes", "spec_token_ids", "cache_salt", "stopper")
 
     def __init__(self, seq_id: SeqId, token_ids: list[int], *, images: tuple[ImagePlaceholder, ...] = (),
-                 sampling: SamplingParams | None = None, priority: int = 0, cache_salt: str = "") -> None:
+                 sampling: SamplingParams | None = None, priority: int = 0, cache_salt: str = "",
+                 stopper: StopMatcher | None = None) -> None:
         if not token_ids:
             raise ValueError(f"sequence {seq_id!r} has an empty prompt")
         images = tuple(sorted(images, key=lambda im: im.offset))
@@ -103,6 +106,7 @@ class Sequence:
         # proposed next tokens (speculative decoding) for the coming step; never part of token_ids until verified
         self.spec_token_ids: list[int] = []
         self.cache_salt = cache_salt  # enters the root of block_hashes: "" shares prefix blocks with every request
+        self.stopper = stopper  # the request's stop strings, fed each completion token (None: it has none)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
@@ -132,6 +136,8 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if token_id in self.sampling.eos_token_ids:
+            self.status = SequenceStatus.FINISHED_STOPPED
+        elif self.stopper is not None and self.stopper.feed(token_id):
             self.status = SequenceStatus.FINISHED_STOPPED
         elif self.num_completion_tokens >= self.sampling.max_new_tokens:
             self.status = SequenceStatus.FINISHED_LENGTH
