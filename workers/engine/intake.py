@@ -44,6 +44,15 @@ class Request:
     images: tuple[Any, ...] = ()  # with messages: PIL RGB images in the order of the image parts (none: text only)
     stop: tuple[str, ...] = ()  # stop strings (at most 4): the answer ends before the first one completed
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end the answer as eos does (left out of it)
+    # the logits pipeline (logits.py): defaults off
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0
 
     @classmethod
     def chat(cls, messages: list[dict], images: tuple[Any, ...] = (), **options: Any) -> Request:
@@ -123,7 +132,14 @@ class Preprocessor:
             raise RequestRejected(str(e), "invalid_stop") from e
         eos = tuple(req.stop_token_ids) + (() if req.ignore_eos else self.eos_token_ids)
         stopper = StopMatcher(stop, self._decode) if stop else None
-        return SamplingParams(req.max_new_tokens, eos, req.temperature, req.seed), stopper
+        if any(not 0 <= t < len(self.chat.tokenizer) for t, _ in req.logit_bias):
+            raise RequestRejected("logit_bias names a token id outside this model's vocabulary", "bad_sampling")
+        try:
+            return SamplingParams(req.max_new_tokens, eos, req.temperature, req.seed, req.top_p, req.top_k, req.min_p,
+                                  req.repetition_penalty, req.frequency_penalty, req.presence_penalty,
+                                  tuple(req.logit_bias), req.min_tokens), stopper
+        except (TypeError, ValueError) as e:
+            raise RequestRejected(str(e), "bad_sampling") from e
 
     def _decode(self, ids: list[int]) -> str:
         return self.chat.tokenizer.decode(ids, skip_special_tokens=True)  # as the engine decodes the answer

@@ -27,6 +27,7 @@ from vlmq.workers.layers.attention import AttentionMetadata
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .encoder_cache import EncoderCache
+from .logits import needs_processing, process
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .sequence import SeqId, Sequence
 from .spec_decode import verify, verify_greedy, verify_seeded
@@ -90,10 +91,11 @@ class ModelRunner:
         # rows: the last prompt/decode token, then every proposal (its logits verify the next proposal)
         rows = [r for s, end in sampled for r in range(end - 1 - s.num_spec_tokens, end)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()  # [R, vocab]
+        starts = list(accumulate((1 + s.num_spec_tokens for s, _ in sampled), initial=0))
+        logits = process(logits, _processed_rows(sampled, starts))
         result, draft_probs = RunnerOutput(), draft_probs or {}
         # every greedy row's pick in one call (one device sync per step, not one per sequence)
         picks = logits.argmax(-1).tolist() if any(s.seq.sampling.temperature == 0 for s, _ in sampled) else []
-        starts = list(accumulate((1 + s.num_spec_tokens for s, _ in sampled), initial=0))
         drawn = self._draw_unseeded(logits, [(s, r) for (s, _), r in zip(sampled, starts, strict=False)])
         for (s, _), row in zip(sampled, starts, strict=False):
             n = 1 + s.num_spec_tokens
@@ -218,3 +220,16 @@ class ModelRunner:
         if draft_probs is not None:
             draft_probs = draft_probs[:len(proposal)]  # the scheduler may have kept only the first ones
         return verify(logits, proposal, draft_probs, sampling.temperature, self.generator)
+
+
+def _processed_rows(sampled: list[tuple[ScheduledSeq, int]], starts: list[int]) -> list:
+    # logits.process rows: each of a sequence's 1 + k rows sees the tokens before it (its proposals included)
+    rows = []
+    for (s, _), start in zip(sampled, starts, strict=False):
+        if needs_processing(s.seq.sampling):
+            k, seq = s.num_spec_tokens, s.seq
+            history, proposal = seq.token_ids, s.token_ids[len(s.token_ids) - k:] if k else []
+            for j in range(k + 1):
+                rows.append((start + j, seq.sampling, history + proposal[:j], seq.num_completion_tokens + j))
+    return rows
+

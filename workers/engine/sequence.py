@@ -68,10 +68,27 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     temperature: float = 0.0  # 0 = greedy; read by the runner's sampler, not the scheduler
     seed: int | None = None  # streams keyed by (seed, position): spec_decode.verify_seeded (None: a shared one)
+    # the logits pipeline (logits.py; defaults: off)
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # transformers': logits of seen tokens (prompt and answer) / or * it
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the answer
+    presence_penalty: float = 0.0  # OpenAI's: minus this once the token is in the answer
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # eos (and stop tokens) masked until the answer has this many tokens
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.temperature < 0:
             raise ValueError(f"invalid sampling params {self!r}")
+        for name, ok in (("top_p", 0 < self.top_p <= 1), ("top_k", self.top_k >= 0), ("min_p", 0 <= self.min_p <= 1),
+                         ("repetition_penalty", self.repetition_penalty > 0),
+                         ("frequency_penalty", -2 <= self.frequency_penalty <= 2),
+                         ("presence_penalty", -2 <= self.presence_penalty <= 2),
+                         ("min_tokens", 0 <= self.min_tokens <= self.max_new_tokens),
+                         ("logit_bias", all(-100 <= b <= 100 and t >= 0 for t, b in self.logit_bias))):
+            if not ok:
+                raise ValueError(f"{name} out of range: {getattr(self, name)!r}")
 
 
 class Sequence:
