@@ -98,7 +98,11 @@ def test_a_replay_equals_the_eager_step_and_its_output_outlives_the_next_replay(
         outs.append(graphs.run(x, positions, decode_meta(tables, ctx)))
         torch.testing.assert_close(outs[-1], eager)
         for (k, v), (ek, ev) in zip(kv_caches, eager_kv, strict=True):  # the replay wrote the same cache slots
-            assert torch.equal(k, ek) and torch.equal(v, ev)
+            # the same slots, the same values but for the last bits: the padded batch is another matmul shape,
+            # whose CPU kernel may round differently
+            assert torch.equal(k != 0, ek != 0) and torch.equal(v != 0, ev != 0)
+            torch.testing.assert_close(k, ek)
+            torch.testing.assert_close(v, ev)
         assert outs[-1].shape == (len(ctx), 128)
     assert list(graphs.graphs) == [4] and graphs.num_replays == 2  # one capture, replayed for both steps
     assert outs[0].data_ptr() != graphs.graphs[4].out.data_ptr()
