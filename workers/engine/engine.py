@@ -349,6 +349,8 @@ class Engine:
             ids = ids[:-1]
         out.token_ids, out.finish_reason, out.error = ids, reason, error
         out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if seq is not None and seq.logprobs is not None:
+            out.logprobs = seq.logprobs[:len(ids)]  # the eos's left out with it
         if seq is not None and seq.stopper is not None and seq.stopper.cut is not None:
             out.text = out.text[:seq.stopper.cut]  # the answer ends before its stop string
         out.finish_time = time.perf_counter()

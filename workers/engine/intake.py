@@ -19,7 +19,7 @@ from vlmq.workers.models.processor import ChatPrompt, single_turn
 from .encoder_cache import make_key
 from .errors import RequestRejected
 from .preprocess import ImagePreprocessor
-from .sequence import FinishReason, ImagePlaceholder, SamplingParams, Sequence
+from .sequence import FinishReason, ImagePlaceholder, SamplingParams, Sequence, TokenLogprob
 from .stopping import StopMatcher, check_stop
 
 
@@ -53,6 +53,7 @@ class Request:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_tokens: int = 0
+    logprobs: int | None = None  # each token's logprob and this many alternatives (None: none)
 
     @classmethod
     def chat(cls, messages: list[dict], images: tuple[Any, ...] = (), **options: Any) -> Request:
@@ -71,6 +72,7 @@ class RequestOutput:
     arrival_time: float = 0.0  # time.perf_counter() at add_request
     first_token_time: float | None = None
     finish_time: float = 0.0
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, where the request asked for them
 
 
 @dataclass(slots=True)
@@ -137,7 +139,7 @@ class Preprocessor:
         try:
             return SamplingParams(req.max_new_tokens, eos, req.temperature, req.seed, req.top_p, req.top_k, req.min_p,
                                   req.repetition_penalty, req.frequency_penalty, req.presence_penalty,
-                                  tuple(req.logit_bias), req.min_tokens), stopper
+                                  tuple(req.logit_bias), req.min_tokens, req.logprobs), stopper
         except (TypeError, ValueError) as e:
             raise RequestRejected(str(e), "bad_sampling") from e
 

@@ -29,7 +29,7 @@ from .cuda_graphs import DecodeGraphs
 from .encoder_cache import EncoderCache
 from .logits import needs_processing, process
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from .sequence import SeqId, Sequence
+from .sequence import SeqId, Sequence, TokenLogprob
 from .spec_decode import verify, verify_greedy, verify_seeded
 
 
@@ -92,6 +92,7 @@ class ModelRunner:
         rows = [r for s, end in sampled for r in range(end - 1 - s.num_spec_tokens, end)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()  # [R, vocab]
         starts = list(accumulate((1 + s.num_spec_tokens for s, _ in sampled), initial=0))
+        raw = _raw_logprobs(logits, sampled, starts)  # before any sampling control
         logits = process(logits, _processed_rows(sampled, starts))
         result, draft_probs = RunnerOutput(), draft_probs or {}
         # every greedy row's pick in one call (one device sync per step, not one per sequence)
@@ -104,6 +105,8 @@ class ModelRunner:
             result.sampled_token_ids[s.seq_id] = new[0]
             if len(new) > 1:
                 result.more_token_ids[s.seq_id] = new[1:]
+        if raw is not None:
+            result.logprobs = raw.entries(result)
         return result
 
     @torch.inference_mode()
@@ -232,4 +235,44 @@ def _processed_rows(sampled: list[tuple[ScheduledSeq, int]], starts: list[int]) 
             for j in range(k + 1):
                 rows.append((start + j, seq.sampling, history + proposal[:j], seq.num_completion_tokens + j))
     return rows
+
+
+class _RawLogprobs:
+    """log_softmax of the raw logits at the rows of sequences that asked for logprobs; `entries` picks each emitted
+    token's and the top-n there (two device reads in all)."""
+
+    def __init__(self, logits: torch.Tensor, wanted: list[tuple[ScheduledSeq, int]]) -> None:
+        self.wanted = wanted
+        rows = [start + j for s, start in wanted for j in range(1 + s.num_spec_tokens)]
+        self.at = dict(zip(((s.seq_id, j) for s, _ in wanted for j in range(1 + s.num_spec_tokens)), range(len(rows)),
+                           strict=True))
+        self.lp = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
+        n = max(s.seq.sampling.logprobs or 0 for s, _ in wanted)
+        top = self.lp.topk(n, dim=-1) if n else None
+        self.top = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+
+    def entries(self, out: RunnerOutput) -> dict[SeqId, list[TokenLogprob]]:
+        tokens = {s.seq_id: [out.sampled_token_ids[s.seq_id], *out.more_token_ids.get(s.seq_id, ())]
+                  for s, _ in self.wanted}
+        flat = [(self.at[(sid, j)], t) for sid, ts in tokens.items() for j, t in enumerate(ts)]
+        picked = self.lp[torch.tensor([r for r, _ in flat]), torch.tensor([t for _, t in flat])].tolist()
+        values, result = iter(picked), {}
+        for s, _ in self.wanted:
+            n = s.seq.sampling.logprobs or 0
+            result[s.seq_id] = [TokenLogprob(next(values), self._top(self.at[(s.seq_id, j)], n))
+                                for j in range(len(tokens[s.seq_id]))]
+        return result
+
+    def _top(self, row: int, n: int) -> tuple[tuple[int, float], ...]:
+        if not n:
+            return ()
+        ids, values = self.top[row]
+        return tuple(zip(ids[:n], values[:n], strict=True))
+
+
+def _raw_logprobs(logits: torch.Tensor, sampled: list[tuple[ScheduledSeq, int]],
+                  starts: list[int]) -> _RawLogprobs | None:
+    wanted = [(s, start) for (s, _), start in zip(sampled, starts, strict=False)
+              if s.seq.sampling.logprobs is not None]
+    return _RawLogprobs(logits, wanted) if wanted else None
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sequence import SeqId, Sequence
+from .sequence import SeqId, Sequence, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -65,3 +65,5 @@ class RunnerOutput:
     # Speculative decoding: the tokens after the sampled one, i.e. the accepted proposals but the first, then the
     # bonus token. len(...) = accepted proposals <= num_spec_tokens; absent when none was accepted.
     more_token_ids: dict[SeqId, list[int]] = field(default_factory=dict)
+    # for sequences that asked for logprobs: one (logprob, top alternatives) per token above, in order
+    logprobs: dict[SeqId, list[TokenLogprob]] = field(default_factory=dict)

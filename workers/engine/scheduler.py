@@ -132,8 +132,8 @@ class Scheduler:
         step, self._in_flight = self._in_flight, None
         if step is None:
             raise RuntimeError("update() without a scheduled step; call schedule() first")
-        sampled, more = (output.sampled_token_ids, output.more_token_ids) if isinstance(output, RunnerOutput) \
-            else (output, {})
+        sampled, more, logprobs = (output.sampled_token_ids, output.more_token_ids, output.logprobs) \
+            if isinstance(output, RunnerOutput) else (output, {}, {})
         finished = []
         for s in step.scheduled:
             seq = s.seq
@@ -141,8 +141,11 @@ class Scheduler:
                 continue
             seq.spec_token_ids = []
             num_appended = 0
+            entries = logprobs.get(seq.seq_id) if seq.logprobs is not None else None
             for token in self._take_tokens(s, sampled, more) if s.sample else ():
                 seq.append_token(token)
+                if entries is not None:
+                    seq.logprobs.append(entries[num_appended])
                 num_appended += 1
                 if seq.is_finished:  # an eos or the length limit: later tokens are dropped
                     break

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from .stopping import StopMatcher
 
 SeqId = int | str
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
 class SequenceStatus(Enum):
@@ -62,6 +64,14 @@ class ImagePlaceholder:
         return self.offset + self.num_tokens
 
 
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability under the model's raw distribution (before any sampling control) and
+    the most likely tokens' (id, logprob) there, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_new_tokens: int = 256
@@ -77,6 +87,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: minus this once the token is in the answer
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # eos (and stop tokens) masked until the answer has this many tokens
+    logprobs: int | None = None  # None: none; n: each token's logprob and the n most likely (at most 20)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.temperature < 0:
@@ -86,6 +97,7 @@ class SamplingParams:
                          ("frequency_penalty", -2 <= self.frequency_penalty <= 2),
                          ("presence_penalty", -2 <= self.presence_penalty <= 2),
                          ("min_tokens", 0 <= self.min_tokens <= self.max_new_tokens),
+                         ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                          ("logit_bias", all(-100 <= b <= 100 and t >= 0 for t, b in self.logit_bias))):
             if not ok:
                 raise ValueError(f"{name} out of range: {getattr(self, name)!r}")
@@ -94,7 +106,7 @@ class SamplingParams:
 class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "images", "sampling", "priority",
                  "arrival_step", "status", "num_computed_tokens", "num_cached_tokens", "block_table",
-                 "block_hashes", "spec_token_ids", "cache_salt", "stopper")
+                 "block_hashes", "spec_token_ids", "cache_salt", "stopper", "logprobs")
 
     def __init__(self, seq_id: SeqId, token_ids: list[int], *, images: tuple[ImagePlaceholder, ...] = (),
                  sampling: SamplingParams | None = None, priority: int = 0, cache_salt: str = "",
@@ -124,6 +136,8 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.cache_salt = cache_salt  # enters the root of block_hashes: "" shares prefix blocks with every request
         self.stopper = stopper  # the request's stop strings, fed each completion token (None: it has none)
+        # one per completion token where the request asked for logprobs (None: it did not)
+        self.logprobs: list[TokenLogprob] | None = None if self.sampling.logprobs is None else []
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
