@@ -4,11 +4,10 @@ sampling that draws from the processed law, speculation changing nothing."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
+from decoding_inputs import QUESTIONS, TINY, image
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
@@ -26,7 +25,6 @@ from vlmq.workers.engine.logits import process
 from vlmq.workers.engine.sequence import SamplingParams
 from vlmq.workers.engine.spec_decode import SpecConfig
 
-TINY = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
 VOCAB, PROMPT, EOS = 200, 12, 7
 
 
@@ -90,14 +88,8 @@ def test_out_of_range_settings_are_refused_naming_the_field(bad) -> None:
         SamplingParams(64, (), **bad)
 
 
-def image(seed: int) -> Image.Image:
-    rng = random.Random(seed)
-    img = Image.new("RGB", (rng.randrange(64, 180), rng.randrange(64, 180)), (rng.randrange(256), 80, 160))
-    img.paste((20, 200, 40), (5, 5, 30, 30))
-    return img
 
 
-QUESTIONS = ["Describe the image.", "What is in the image?", "How many shapes are there?"]
 CONTROLS = dict(repetition_penalty=1.4, logit_bias=((64, 3.0), (262, -4.0)))
 
 

@@ -3,11 +3,9 @@ left out, finish reason "stop"; against transformers' `generate(stop_strings=...
 speculative decoding off and on."""
 from __future__ import annotations
 
-import random
-from pathlib import Path
-
 import pytest
 import torch
+from decoding_inputs import QUESTIONS, TINY, image
 from PIL import Image
 
 from vlmq.workers.engine import FinishReason, RequestRejected
@@ -16,11 +14,8 @@ from vlmq.workers.engine.spec_decode import SpecConfig
 from vlmq.workers.engine.stopping import StopMatcher, check_stop
 from vlmq.workers.models.processor import load_processor
 
-TINY = Path(__file__).resolve().parents[2] / "workers" / "assets" / "tiny-shapes"
 MAX_NEW = 24
 NUM_REQUESTS = 100
-QUESTIONS = ["What is in the image?", "Describe the image.", "How many shapes are there?", "What colour is it?",
-             "Where is the square?"]
 
 
 def pieces_decoder(vocab: list[str]):
@@ -57,11 +52,6 @@ def test_bad_stop_lists_are_refused_naming_the_rule(stop) -> None:
         check_stop(stop)
 
 
-def image(seed: int) -> Image.Image:
-    rng = random.Random(seed)
-    img = Image.new("RGB", (rng.randrange(64, 200), rng.randrange(64, 200)), (rng.randrange(256), 90, 200))
-    img.paste((250, 30, 30), (10, 10, 40, 40))
-    return img
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +72,7 @@ def stops(workload) -> list[str]:
         plain = [k for k in range(2, len(ids) - 1) if not special & set(ids[k - 2:k + 2])] or [len(ids) // 2]
         k = plain[n % len(plain)]
         at = len(decode(ids[:k], skip_special_tokens=True))
-        stops.append(out.text[max(0, at - 2):at + 2] or out.text[:3])
+        stops.append(out.text[max(0, at - 2):at + 2] or out.text[:3] or "never said")
     engine.close()
     assert sum(len(s) > 1 for s in stops) >= NUM_REQUESTS * 0.9
     return stops
