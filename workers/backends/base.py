@@ -25,6 +25,9 @@ class GenRequest:
     cache_salt: str | None = None  # cache entries are shared only among requests of one salt (jobrunner.cache_salt)
     temperature: float = 0.0  # 0 = greedy; otherwise sampled at this temperature (vlmq.rules: at most 2)
     seed: int | None = None  # with temperature > 0: the same seed gives the same tokens (None: fresh randomness)
+    # a chat (vlmq.chat's engine form: image parts {"type": "image"}) instead of image and prompt, and its images
+    messages: list[dict] | None = None
+    images: tuple[Any, ...] = ()  # with messages: PIL RGB images in the order of the image parts (none: text only)
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from transformers import (
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, is_canceled
 from vlmq.workers.engine.sequence import FinishReason
 from vlmq.workers.engine.spec_decode import position_generator
-from vlmq.workers.models.processor import ChatPrompt, load_processor
+from vlmq.workers.models.processor import ChatPrompt, load_processor, single_turn
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,14 @@ class HFBackend(Backend):
 
     def _inputs(self, batch: list[GenRequest]) -> dict[str, torch.Tensor]:
         # what the processor returns for these prompts, except that the user's text stays plain text
-        images, num_tokens = self.processor.image_inputs([r.image for r in batch])
-        rows = [self.chat.ids(r.prompt, n) for r, n in zip(batch, num_tokens, strict=True)]
+        chats = [(r.messages, r.images) if r.messages is not None else (single_turn(r.prompt), (r.image,))
+                 for r in batch]
+        flat = [image for _, row_images in chats for image in row_images]
+        images, num_tokens = self.processor.image_inputs(flat) if flat else ({}, [])
+        rows, at = [], 0
+        for messages, row_images in chats:  # each row's images' token counts, in order
+            rows.append(self.chat.messages_ids(messages, num_tokens[at:at + len(row_images)])[0])
+            at += len(row_images)
         width = max(len(ids) for ids in rows)
         input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in rows])  # [B, L] left-padded
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
