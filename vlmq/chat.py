@@ -55,6 +55,11 @@ class Chat:
         return json.dumps(self.messages, separators=(",", ":"), ensure_ascii=False)
 
 
+def single_turn(prompt: str) -> list[dict[str, Any]]:
+    """The ``(image, prompt)`` shortcut in the engine's form: one user turn, the image, then the prompt."""
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+
+
 def with_urls(messages: list[dict[str, Any]], urls: Sequence[str]) -> list[dict[str, Any]]:
     """The engine form back in OpenAI's, each image part an ``image_url`` with the next of ``urls``."""
     it = iter(urls)

@@ -15,15 +15,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
-from vlmq import affinity, cachestats, keys, rules
+from vlmq import affinity, cachestats, keys, prompttokens, rules
 from vlmq import batch as batches
 from vlmq.batchfile import BatchLine, LineError, parse_line, read_lines
-from vlmq.chat import parse_messages
+from vlmq.chat import parse_messages, single_turn
 from vlmq.cost import estimate_job
 from vlmq.errors import BackendError, InvalidRequest, QueueFull
 from vlmq.images import ImageLimits, ImageSource, is_storage_url, load_source, probe
 from vlmq.jobs import Job, new_job_id
-from vlmq.models import ModelSpec, cost_classes, resolve_model
+from vlmq.models import ModelSpec, cost_classes, model_folder, resolve_model
 from vlmq.prepared import Input, Prepared
 from vlmq.queue import DEFAULT_PRIORITY
 from vlmq.request import DEFAULT_MODEL, JobRequest
@@ -323,6 +323,8 @@ class Client:
             parse_messages(request.messages, max_images=s.max_images_per_job, max_chars=s.max_prompt_chars)
         inputs = tuple(self._load(ref, loaded) for ref in ((request.image,) if chat is None else chat.images))
         cost = estimate_job([(i.info.width, i.info.height) for i in inputs], spec.policy, cost_classes(s))
+        prompttokens.check_prompt(model_folder(spec), spec.family, single_turn(request.prompt or "") if chat is None
+                                  else chat.messages, request.max_new_tokens, s.text_token_bound)
         return Prepared(request, spec, inputs, cost, webhook, chat)
 
     def _load(self, image: ImageSource, loaded: dict[str, Input] | None) -> Input:

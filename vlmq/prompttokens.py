@@ -22,8 +22,9 @@ from vlmq.errors import InvalidRequest
 _STAND_IN = re.compile("\x00(\\d+)\x00")  # text i stands in the rendered template as NUL i NUL
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # extra text tokens per image beyond its one placeholder: the wrappers its span adds (image_span(1) minus 2)
+# (InternVL: <img> <IMG_CONTEXT>... </img>; Qwen's and LLaVA-NeXT's spans are the image tokens alone)
 _IMAGE_EXTRA = {"internvl": 1}
-SHAPE_CACHE = 4096  # rendered chat shapes kept per model  # <img> <IMG_CONTEXT>... </img>; Qwen's and LLaVA-NeXT's spans are the image tokens
+SHAPE_CACHE = 4096  # rendered chat shapes kept per model
 
 
 class PromptCounter:
@@ -97,6 +98,18 @@ class PromptCounter:
 def counter(model_dir: str, family: str) -> PromptCounter:
     """The counter of a model folder, loaded once per process."""
     return PromptCounter(model_dir, family)
+
+
+def check_prompt(folder: Path | None, family: str, messages: list[dict[str, Any]], max_new_tokens: int,
+                 bound: int) -> None:
+    """A chat's text tokens (engine form) and ``max_new_tokens`` fit ``bound``; a folder without ``tokenizer.json``
+    is not counted here (its workers count).
+
+    Raises:
+        InvalidRequest: ``prompt_too_long``; ``bad_messages`` when the chat template refuses the chat.
+    """
+    if folder is not None and (folder / "tokenizer.json").is_file():
+        check_text_bound(counter(str(folder), family).text_tokens(messages), max_new_tokens, bound)
 
 
 def check_text_bound(num_text_tokens: int, max_new_tokens: int, bound: int) -> None:

@@ -7,18 +7,20 @@ import base64
 import hashlib
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from PIL import Image
 
-from vlmq import keys
+from vlmq import keys, prompttokens
 from vlmq.cli import main
 from vlmq.client import Client
 from vlmq.cost import estimate
 from vlmq.errors import InvalidRequest
-from vlmq.models import resolve_model
+from vlmq.models import model_folder, resolve_model
 from vlmq.settings import Settings
 
 
@@ -165,3 +167,31 @@ def test_vlmq_submit_takes_messages(client: Client, tmp_path: Path, capsys: pyte
     job_id = json.loads(capsys.readouterr().out)["id"]
     assert json.loads(client.job(job_id).info()["messages"])[0] == {"role": "system", "content": "Be brief."}
     assert main(["submit", "--messages", '[{"role": "user", "content": "Hi"}]']) == 0 and queued(client) == 2
+
+
+def test_a_prompt_over_the_text_bound_is_refused_at_submit(redis_client: object, redis_url: str,
+                                                           tmp_path: Path) -> None:
+    # issue 29 item 6: counted with the model folder's tokenizer and chat template as the engine counts
+    # (tests/engine/test_prompt_count.py), so the job is refused here instead of failing on a worker later
+    settings = Settings(broker_url=redis_url, storage_url=(tmp_path / "store").as_uri(), text_token_bound=200)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many shapes? " * 4}]
+    counted = prompttokens.counter(str(model_folder(resolve_model("tiny-shapes", settings))), "qwen2_vl")
+    tokens = counted.text_tokens(chat)
+    assert 20 < tokens < 200
+    with Client(settings=settings) as client:
+        client.submit(messages=chat, max_new_tokens=200 - tokens)  # exactly at the bound
+        for kwargs in ({"messages": chat, "max_new_tokens": 201 - tokens},
+                       {"messages": [{"role": "user", "content": "How many shapes? " * 60}]},
+                       {"image": png(64, 48), "prompt": "How many shapes? " * 60}):
+            with pytest.raises(InvalidRequest) as err:
+                client.submit(**kwargs)
+            assert err.value.code == "prompt_too_long" and "VLMQ_TEXT_TOKEN_BOUND" in str(err.value)
+        assert queued(client) == 1
+
+
+def test_submitting_a_chat_imports_no_torch(redis_client: object, redis_url: str, tmp_path: Path) -> None:
+    code = ("import sys; from vlmq.client import Client; from vlmq.settings import Settings; "
+            f"c = Client(settings=Settings(broker_url={redis_url!r}, storage_url={(tmp_path / 's').as_uri()!r})); "
+            "c.submit(messages=[{'role': 'user', 'content': 'Hi'}]); "
+            "assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
