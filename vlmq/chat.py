@@ -87,9 +87,8 @@ def parse_messages(messages: object, *, max_images: int, max_chars: int) -> Chat
             (not the format), ``unsupported_field`` (an OpenAI field vlmq does not apply), ``image_count``,
             ``prompt_too_long`` or ``bad_prompt``.
     """
-    _check_list(messages)
     images: list[str] = []
-    turns = [_message(m, f"messages[{i}]", images) for i, m in enumerate(messages)]  # type: ignore[union-attr]
+    turns = [_message(m, f"messages[{i}]", images) for i, m in enumerate(_check_list(messages))]
     chat = Chat(turns, tuple(images))
     check_chat(chat.messages, len(images), max_images=max_images, max_chars=max_chars)
     return chat
@@ -103,9 +102,8 @@ def check_chat(messages: object, num_images: int, *, max_images: int, max_chars:
             are not ``num_images`` or more than ``max_images``, ``prompt_too_long`` past ``max_chars`` characters
             of text, ``bad_prompt`` for text that is not UTF-8 or holds a special token.
     """
-    _check_list(messages)
     chars = parts = 0
-    for i, message in enumerate(messages):  # type: ignore[union-attr]
+    for i, message in enumerate(_check_list(messages)):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or set(message) != {"role", "content"} or message["role"] not in ROLES:
             raise InvalidRequest(f"{where} must be {{role, content}} with a role of {', '.join(ROLES)}",
@@ -136,7 +134,8 @@ def check_image_count(count: int, max_images: int) -> None:
                              "(VLMQ_MAX_IMAGES_PER_JOB): split it into several jobs", code="image_count")
 
 
-def from_record(record: Mapping[str, str], *, max_images: int, max_chars: int) -> tuple[list[dict], list[str]]:
+def from_record(record: Mapping[str, str], *, max_images: int,
+                max_chars: int) -> tuple[list[dict[str, Any]], list[str]]:
     """A messages record's (messages, input keys), checked (``check_chat``; the keys are the caller's to check).
 
     Raises:
@@ -152,11 +151,12 @@ def from_record(record: Mapping[str, str], *, max_images: int, max_chars: int) -
     return messages, input_keys
 
 
-def _check_list(messages: object) -> None:
+def _check_list(messages: object) -> Sequence[Any]:
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
         raise InvalidRequest("messages must be a non-empty list of turns", code="bad_messages")
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest(f"messages has {len(messages)} turns; the limit is {MAX_MESSAGES}", code="bad_messages")
+    return messages
 
 
 def _message(message: object, where: str, images: list[str]) -> dict[str, Any]:
@@ -176,20 +176,20 @@ def _message(message: object, where: str, images: list[str]) -> dict[str, Any]:
 
 
 def _part(part: object, where: str, role: str, images: list[str]) -> dict[str, Any]:
-    kind = part.get("type") if isinstance(part, Mapping) else None
-    if kind == "text":
-        _refuse_fields(part, {"type", "text"}, where)  # type: ignore[arg-type]
-        if not isinstance(part.get("text"), str):  # type: ignore[union-attr]
-            raise InvalidRequest(f"{where}.text must be a string", code="bad_messages")
-        return {"type": "text", "text": part["text"]}  # type: ignore[index]
-    if kind == "image_url":
-        _refuse_fields(part, {"type", "image_url"}, where)  # type: ignore[arg-type]
-        if role != "user":
-            raise InvalidRequest(f"{where}: images belong in user turns, not {role} turns", code="bad_messages")
-        images.append(_image_url(part.get("image_url"), f"{where}.image_url"))  # type: ignore[union-attr]
-        return {"type": "image"}
     if not isinstance(part, Mapping):
         raise InvalidRequest(f"{where} must be a part object with a type", code="bad_messages")
+    kind = part.get("type")
+    if kind == "text":
+        _refuse_fields(part, {"type", "text"}, where)
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}.text must be a string", code="bad_messages")
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        _refuse_fields(part, {"type", "image_url"}, where)
+        if role != "user":
+            raise InvalidRequest(f"{where}: images belong in user turns, not {role} turns", code="bad_messages")
+        images.append(_image_url(part.get("image_url"), f"{where}.image_url"))
+        return {"type": "image"}
     code = "unsupported_field" if kind in _UNAPPLIED_PARTS else "bad_messages"
     raise InvalidRequest(f"{where}.type {str(kind)[:40]!r} is not supported; a part is text or image_url", code=code)
 

@@ -321,7 +321,9 @@ class Client:
         s = self.settings
         chat = None if request.messages is None else \
             parse_messages(request.messages, max_images=s.max_images_per_job, max_chars=s.max_prompt_chars)
-        inputs = tuple(self._load(ref, loaded) for ref in ((request.image,) if chat is None else chat.images))
+        assert chat is not None or request.image is not None  # JobRequest.__post_init__: messages, or an image
+        refs = chat.images if chat is not None else (request.image,)
+        inputs = tuple(self._load(ref, loaded) for ref in refs if ref is not None)
         cost = estimate_job([(i.info.width, i.info.height) for i in inputs], spec.policy, cost_classes(s))
         prompttokens.check_prompt(model_folder(spec), spec.family, single_turn(request.prompt or "") if chat is None
                                   else chat.messages, request.max_new_tokens, s.text_token_bound)

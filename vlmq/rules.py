@@ -134,7 +134,7 @@ def check_record(record: Mapping[str, str], job_id: str, *, max_prompt_chars: in
 
 
 def input_keys(record: Mapping[str, str], *, max_images: int = 16,
-               max_chars: int = 8000) -> tuple[list[str], list[dict] | None]:
+               max_chars: int = 8000) -> tuple[list[str], list[dict[str, object]] | None]:
     """A record's image input keys, in order, and its messages (None: the ``(image, prompt)`` shortcut, whose one
     image is ``input_key``); the messages are checked (``vlmq.chat.check_chat``), the keys are not.
 
