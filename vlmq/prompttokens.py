@@ -19,7 +19,7 @@ from typing import Any
 
 from vlmq.errors import InvalidRequest
 
-_STAND_IN = re.compile("\x00(\\d+)\x00")  # text i stands in the rendered template as NUL i NUL
+STAND_IN = re.compile("\x00(\\d+)\x00")  # text i stands in the rendered template as NUL i NUL
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # extra text tokens per image beyond its one placeholder: the wrappers its span adds (image_span(1) minus 2)
 # (InternVL: <img> <IMG_CONTEXT>... </img>; Qwen's and LLaVA-NeXT's spans are the image tokens alone)
@@ -54,7 +54,7 @@ class PromptCounter:
             InvalidRequest: ``bad_messages`` when the model's chat template refuses the chat.
         """
         texts: list[str] = []
-        shape = [_stand_in(m, texts) for m in messages]
+        shape = [stand_in(m, texts) for m in messages]
         count, pending = 0, []
         for n, piece in enumerate(self._pieces(shape)):
             if n % 2:
@@ -82,7 +82,7 @@ class PromptCounter:
                 from None
         if len(self._shapes) >= SHAPE_CACHE:
             self._shapes.clear()
-        self._shapes[key] = pieces = _STAND_IN.split(rendered)
+        self._shapes[key] = pieces = STAND_IN.split(rendered)
         return pieces
 
     def _plain(self, text: str) -> int:
@@ -121,7 +121,9 @@ def check_text_bound(num_text_tokens: int, max_new_tokens: int, bound: int) -> N
             "shorten the prompt or lower max_new_tokens", code="prompt_too_long")
 
 
-def _stand_in(message: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+def stand_in(message: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+    """The message with each text replaced by its stand-in (appended to ``texts``); image parts kept (the engine's
+    ``ChatPrompt`` renders with the same stand-ins)."""
     content = message["content"]
     if isinstance(content, str):
         texts.append(content)
