@@ -15,6 +15,7 @@ from tiny.shapes import make_split
 from workerproc import ready_worker
 
 from vlmq.client import Client
+from vlmq.errors import InvalidRequest
 from vlmq.images import decode
 from vlmq.request import JobRequest
 from vlmq.settings import Settings
@@ -75,6 +76,12 @@ def test_chat_jobs_get_the_engines_own_answers(redis_url: str, tmp_path: Path) -
                                    JobRequest(images[2], "Describe the image.", max_new_tokens=MAX_NEW)])
         results = [job.result(timeout=240) for job in jobs]
         records = [job.info() for job in jobs]
+        for bad, named in [([{"role": "user", "content": [{"type": "video", "video": "x.mp4"}]}], "type 'video'"),
+                           ([{"role": "user", "content": [image_url(data_url(images[0]))] * 17}], "limit is 16"),
+                           ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 3}}]}],
+                            "image_url.url")]:
+            with pytest.raises(InvalidRequest, match=named):  # refused at submit, by name: never reaches the worker
+                client.submit(messages=bad)
         batch = client.submit_batch(batch_file)
         assert batch.wait(timeout=240)["request_counts"]["completed"] == 1
         (line,) = [json.loads(x) for x in batch.download("output").splitlines()]
