@@ -127,7 +127,7 @@ class Settings:
                                       to_text=_format_models)
     cost_classes: str = _setting(DEFAULT_COST_CLASSES, BOTH, "cost classes as bounds on vision tokens")
     text_token_bound: int = _setting(2048, BOTH, "text tokens (prompt + answer) a job may use: counted in every "
-                                     "class cost, enforced by workers")
+                                     "class cost, checked at submit and by workers")
     max_new_tokens: int = _setting(1024, BOTH, "largest `max_new_tokens` a job may ask for (workers re-check it)")
     max_prompt_chars: int = _setting(8000, BOTH, "longest prompt accepted, in characters (workers re-check it)")
     max_images_per_job: int = _setting(16, BOTH, "most images one job's messages may hold (workers re-check it)")
