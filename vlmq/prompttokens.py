@@ -103,13 +103,16 @@ def counter(model_dir: str, family: str) -> PromptCounter:
 def check_prompt(folder: Path | None, family: str, messages: list[dict[str, Any]], max_new_tokens: int,
                  bound: int) -> None:
     """A chat's text tokens (engine form) and ``max_new_tokens`` fit ``bound``; a folder without ``tokenizer.json``
-    is not counted here (its workers count).
+    or a chat template is not counted here (its workers count).
 
     Raises:
         InvalidRequest: ``prompt_too_long``; ``bad_messages`` when the chat template refuses the chat.
     """
-    if folder is not None and (folder / "tokenizer.json").is_file():
-        check_text_bound(counter(str(folder), family).text_tokens(messages), max_new_tokens, bound)
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        return
+    counted = counter(str(folder), family)
+    if counted.template is not None:
+        check_text_bound(counted.text_tokens(messages), max_new_tokens, bound)
 
 
 def check_text_bound(num_text_tokens: int, max_new_tokens: int, bound: int) -> None:
@@ -151,9 +154,7 @@ def _template(folder: Path, config: dict[str, Any]) -> Any:
     jinja = folder / "chat_template.jinja"
     source = jinja.read_text() if jinja.is_file() else \
         _json(folder / "chat_template.json").get("chat_template") or config.get("chat_template")
-    if not isinstance(source, str):
-        raise InvalidRequest(f"model folder {folder} has no chat template", code="bad_model_config")
-    return _environment().from_string(source)
+    return _environment().from_string(source) if isinstance(source, str) else None
 
 
 def _environment() -> Any:
