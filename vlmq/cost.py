@@ -434,16 +434,18 @@ def estimate_job(sizes: Sequence[tuple[int, int]], policy: ImagePolicy = Resolut
     """Prices a job's images, each ``(width, height)`` as displayed, by :func:`estimate`.
 
     Raises:
-        InvalidRequest: see :func:`estimate`; ``too_many_vision_tokens`` when the images together cost more than
-            the largest image the policy takes (the bound of the top class a worker budgets for).
+        InvalidRequest: see :func:`estimate`; ``too_many_vision_tokens`` when the images together fall in the top
+            class and cost more than its bound, the largest image the policy takes (what workers budget a job of
+            the top class for, ``vlmq.models.class_cost``).
     """
     images = tuple(estimate(w, h, policy, classes) for w, h in sizes)
     tokens, limit = sum(e.vision_tokens for e in images), policy.max_vision_tokens()
-    if tokens > limit:
-        raise InvalidRequest(f"the job's {len(images)} images cost {tokens} vision tokens together; a job may cost "
-                             f"at most {limit} (the model's largest image): send smaller images or split the job",
-                             code="too_many_vision_tokens")
-    return JobCost(tokens, sum(e.encoder_patches for e in images), classes.classify(tokens), images)
+    cost_class = classes.classify(tokens)
+    if cost_class == classes.top and tokens > limit:
+        raise InvalidRequest(f"the job's {len(images)} images cost {tokens} vision tokens together: above every "
+                             f"class bound and above {limit}, the model's largest image, which bounds class "
+                             f"{classes.top}; send smaller images or split the job", code="too_many_vision_tokens")
+    return JobCost(tokens, sum(e.encoder_patches for e in images), cost_class, images)
 
 
 _REPORT_HEADER = ("file", "format", "size", "resized", "tiles", "vision_tokens", "patches", "class")

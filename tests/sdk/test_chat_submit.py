@@ -4,6 +4,7 @@ together; what is not is refused by name before anything is enqueued."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -133,11 +134,20 @@ def test_messages_and_an_image_together_or_neither_are_refused(client: Client) -
     assert queued(client) == 0
 
 
-def test_images_that_together_cost_more_than_the_largest_image_are_refused(client: Client) -> None:
-    big = data_url(png(1024, 1024))  # each alone is the model's largest image
-    with pytest.raises(InvalidRequest) as err:
-        client.submit(messages=[{"role": "user", "content": [image_part(big), image_part(big)]}])
-    assert err.value.code == "too_many_vision_tokens" and queued(client) == 0
+def test_images_over_every_class_bound_and_the_largest_image_are_refused(redis_client: object, redis_url: str,
+                                                                        tmp_path: Path) -> None:
+    # the top class is budgeted for the model's largest image (vlmq.models.class_cost): a job above it and above
+    # every bounded class has no class a worker budgets for
+    big = data_url(png(1024, 1024))  # alone the model's largest image: 324 tokens
+    settings = Settings(broker_url=redis_url, storage_url=(tmp_path / "store").as_uri(), cost_classes="xs=64,s=400,xl")
+    with Client(settings=settings) as client:
+        assert client.submit(messages=[{"role": "user", "content": [image_part(big)]}]).info()["cost_class"] == "s"
+        with pytest.raises(InvalidRequest) as err:
+            client.submit(messages=[{"role": "user", "content": [image_part(big), image_part(big)]}])
+        assert err.value.code == "too_many_vision_tokens" and "class xl" in str(err.value) and queued(client) == 1
+    with Client(settings=dataclasses.replace(settings, cost_classes="xs=64,s=1024,xl")) as client:
+        record = client.submit(messages=[{"role": "user", "content": [image_part(big), image_part(big)]}]).info()
+        assert (record["vision_tokens"], record["cost_class"]) == ("648", "s")  # a bounded class holds it
 
 
 def test_an_idempotency_key_binds_the_messages_and_their_images(client: Client) -> None:
