@@ -8,11 +8,12 @@ A line looks like::
          {"role": "user", "content": [{"type": "text", "text": "How many shapes?"},
                                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}]}}
 
-Each request names exactly one image (an ``image_url`` part): a ``data:`` URL, an ``s3://`` URI in the pool's
-storage, a ``file://`` URL or a local path (relative paths are read from the batch file's folder). Nothing is
-fetched from the network. A batch file may come from someone else, so local paths and ``file://`` URLs must
-lead (symlinks resolved) into the batch file's folder unless the caller passes ``allow_outside_paths``; only
-regular files are read (``vlmq.images``). The text of system and user messages, in order, is the job's prompt.
+``body.messages`` is the job, as ``Client.submit(messages=...)`` takes it (``vlmq.chat``): system, developer, user
+and assistant turns rendered by the model's chat template, any number of images (none too) where their parts
+stand. An ``image_url`` is a ``data:`` URL, an ``s3://`` URI in the pool's storage, a ``file://`` URL or a local
+path (relative paths are read from the batch file's folder). Nothing is fetched from the network. A batch file
+may come from someone else, so local paths and ``file://`` URLs must lead (symlinks resolved) into the batch
+file's folder unless the caller passes ``allow_outside_paths``; only regular files are read (``vlmq.images``).
 ``temperature`` (0 to 2) and ``seed`` are applied as ``Client.submit`` applies them; unlike OpenAI, a body without
 ``temperature`` is decoded greedily (temperature 0). The other sampling parameters (``top_p``, penalties,
 ``stop``, ``logprobs``, ...) are accepted and not applied (``IGNORED_BODY_FIELDS``).
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmq import rules
+from vlmq.chat import parse_messages, with_urls
 from vlmq.errors import InvalidRequest
 from vlmq.images import file_url_path
 
@@ -43,6 +45,7 @@ _BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tok
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included
 _BRACKET = re.compile(r"[\[\]{}]")
+_NO_LIMIT = 1 << 30  # the limits on images and text are the client's (settings), checked when it prepares the line
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +56,8 @@ class BatchLine:
         line: 1-based line number in the file.
         custom_id: the caller's id, copied to the output and error files.
         model: the ``body.model``.
-        prompt: the text parts of the messages, joined by blank lines.
-        image: the image reference (``data:`` URL, ``s3://`` URI, or an absolute path with symlinks resolved).
+        messages: the ``body.messages``, each ``image_url`` a ``data:`` URL, an ``s3://`` URI or an absolute path
+            with symlinks resolved (only ``url`` kept).
         max_new_tokens: ``max_completion_tokens`` or ``max_tokens`` (None: the client's default).
         temperature: ``temperature`` (absent or null: 0, greedy).
         seed: ``seed`` (absent or null: None).
@@ -63,8 +66,7 @@ class BatchLine:
     line: int
     custom_id: str
     model: str
-    prompt: str
-    image: str
+    messages: list[dict[str, Any]]
     max_new_tokens: int | None
     temperature: float = 0.0
     seed: int | None = None
@@ -147,44 +149,13 @@ def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Pat
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None and (type(limit) is not int or limit < 1):
         raise InvalidRequest(f"max_tokens must be a positive integer, got {limit!r}", code="bad_max_new_tokens")
-    texts, images = _parts(body.get("messages"))
-    if len(images) != 1:
-        raise InvalidRequest(f"a request needs exactly one image_url part, found {len(images)}",
-                             code="image_count")
+    chat = parse_messages(body.get("messages"), max_images=_NO_LIMIT, max_chars=_NO_LIMIT)
+    messages = with_urls(chat.messages, [_image_ref(url, base_dir, anywhere) for url in chat.images])
     temperature = 0.0 if body.get("temperature") is None else body["temperature"]
     seed = body.get("seed")
     rules.check_temperature(temperature)
     rules.check_seed(seed)
-    return BatchLine(number, custom_id, body["model"], "\n\n".join(texts), _image_ref(images[0], base_dir, anywhere),
-                     limit, temperature, seed)
-
-
-def _parts(messages: object) -> tuple[list[str], list[str]]:
-    """The text parts and the image URLs of the messages."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("body.messages must be a non-empty list", code="bad_messages")
-    texts: list[str] = []
-    images: list[str] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user"):
-            raise InvalidRequest(f"messages[{i}] must be a system, developer or user message", code="bad_messages")
-        content = message.get("content")
-        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content or [None]:
-            _part(part, i, texts, images)
-    return texts, images
-
-
-def _part(part: object, i: int, texts: list[str], images: list[str]) -> None:
-    if not isinstance(part, dict):
-        raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts", code="bad_messages")
-    if part.get("type") == "text" and isinstance(part.get("text"), str):
-        texts.append(part["text"])
-    elif part.get("type") == "image_url" and isinstance(part.get("image_url"), dict) \
-            and isinstance(part["image_url"].get("url"), str):
-        images.append(part["image_url"]["url"])
-    else:
-        raise InvalidRequest(f"messages[{i}] has a part that is neither text nor image_url {{url}}",
-                             code="bad_messages")
+    return BatchLine(number, custom_id, body["model"], messages, limit, temperature, seed)
 
 
 def _image_ref(url: str, base_dir: Path, anywhere: bool) -> str:

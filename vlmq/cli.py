@@ -6,12 +6,14 @@ Read commands print readable text by default and the records themselves with ``-
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from vlmq.cliformat import cache_lines, emit, job_lines, result_lines
-from vlmq.errors import JobFailed, JobNotFound, JobTimeout, VlmqError
+from vlmq.errors import InvalidRequest, JobFailed, JobNotFound, JobTimeout, VlmqError
 
 EPILOG = """environment:
   VLMQ_BROKER_URL   Redis URL of the pool (default redis://127.0.0.1:6379/0); --broker overrides it
@@ -88,8 +90,12 @@ def _top(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    messages = _messages(args.messages) if args.messages else None
+    if (messages is None) != (args.prompt is not None):
+        raise InvalidRequest("give an image and a prompt, or --messages alone", code="missing_field")
     with _client(args) as client:
-        job = client.submit(args.image, args.prompt, model=args.model, max_new_tokens=args.max_new_tokens,
+        job = client.submit(args.image, args.prompt, messages=messages, model=args.model,
+                            max_new_tokens=args.max_new_tokens,
                             priority=args.priority, idempotency_key=args.idempotency_key, webhook=args.webhook,
                             temperature=args.temperature, seed=args.seed)
         if not args.wait:
@@ -98,6 +104,16 @@ def _submit(args: argparse.Namespace) -> int:
         result = job.result(timeout=args.timeout)
         emit(result.raw, args.json, result_lines(result.raw))
     return 0
+
+
+def _messages(source: str) -> Any:
+    """The ``--messages`` JSON: a file, ``-`` for stdin, or the JSON text itself."""
+    text = sys.stdin.read() if source == "-" else source if source.lstrip().startswith("[") else \
+        Path(source).read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidRequest(f"--messages is not JSON: {e}", code="bad_messages") from None
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -210,8 +226,10 @@ def _common() -> argparse.ArgumentParser:
 
 def _add_jobs(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("submit", parents=[common], help="submit one job (prints its id, or the result with --wait)")
-    p.add_argument("image")
-    p.add_argument("prompt")
+    p.add_argument("image", nargs="?")
+    p.add_argument("prompt", nargs="?")
+    p.add_argument("--messages", metavar="JSON", help="the job as OpenAI chat messages instead of image and prompt: "
+                   "a JSON file, - for stdin, or the JSON list itself (image_url: data: URL, path or s3:// URI)")
     p.add_argument("--model", default="tiny-shapes")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--priority", type=int, default=5)

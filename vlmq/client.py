@@ -9,26 +9,27 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
-from vlmq import affinity, cachestats, keys, rules
+from vlmq import affinity, cachestats, keys, prompttokens, rules
 from vlmq import batch as batches
 from vlmq.batchfile import BatchLine, LineError, parse_line, read_lines
-from vlmq.cost import CostEstimate, estimate
+from vlmq.chat import parse_messages, single_turn
+from vlmq.cost import estimate_job
 from vlmq.errors import BackendError, InvalidRequest, QueueFull
-from vlmq.images import ImageInfo, ImageLimits, ImageSource, is_storage_url, load_source, probe
+from vlmq.images import ImageLimits, ImageSource, is_storage_url, load_source, probe
 from vlmq.jobs import Job, new_job_id
-from vlmq.models import ModelSpec, cost_classes, resolve_model
+from vlmq.models import ModelSpec, cost_classes, model_folder, resolve_model
+from vlmq.prepared import Input, Prepared
 from vlmq.queue import DEFAULT_PRIORITY
-from vlmq.request import DEFAULT_MODEL, JobRequest, fingerprint
+from vlmq.request import DEFAULT_MODEL, JobRequest
 from vlmq.settings import Settings
 from vlmq.storage import ObjectTooLarge, Storage, open_storage
-from vlmq.store import JobStatus, JobStore, now
+from vlmq.store import JobStore, now
 from vlmq.webhook_guard import check_webhook
 from vlmq.wire import MessageWriter
 
@@ -38,35 +39,6 @@ log = logging.getLogger(__name__)
 CHUNK = 500  # jobs per Redis transaction (records, messages and wake tokens in one round trip)
 INPUT_THREADS = 16  # concurrent input uploads of one submit_many
 WAKE_TTL = 10  # seconds an unclaimed wake token lives
-
-
-class _Input(NamedTuple):
-    """An image read and probed (shared by every request of a batch that names it)."""
-
-    data: bytes
-    info: ImageInfo
-    sha256: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    """A request that passed every check, with its priced image."""
-
-    request: JobRequest
-    spec: ModelSpec
-    data: bytes
-    info: ImageInfo
-    sha256: str
-    cost: CostEstimate
-    webhook: str = ""
-
-    @property
-    def queue(self) -> str:
-        return keys.queue(self.spec.name, self.cost.cost_class)
-
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self.request, self.spec.name, self.sha256)
 
 
 class Client:
@@ -126,15 +98,21 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def submit(self, image: ImageSource, prompt: str, *, model: str = DEFAULT_MODEL, max_new_tokens: int = 128,
-               priority: int = DEFAULT_PRIORITY, idempotency_key: str | None = None,
+    def submit(self, image: ImageSource | None = None, prompt: str | None = None, *,
+               messages: Sequence[Mapping[str, Any]] | None = None, model: str = DEFAULT_MODEL,
+               max_new_tokens: int = 128, priority: int = DEFAULT_PRIORITY, idempotency_key: str | None = None,
                wait_for_room: float = 0.0, ignore_eos: bool = False, webhook: str | None = None,
                temperature: float = 0.0, seed: int | None = None) -> Job:
-        """Validate, price and enqueue one image job.
+        """Validate, price and enqueue one job: a chat (``messages``), or one image and a prompt.
 
         Args:
             image: a path, bytes, a binary file object, a PIL image, or a URI in the pool's storage.
-            prompt: the question or instruction about the image.
+            prompt: the question or instruction about the image (the shortcut for ``messages=[{"role": "user",
+                "content": [<image>, {"type": "text", "text": prompt}]}]``).
+            messages: OpenAI Chat Completions messages instead of ``image`` and ``prompt``: ``system``,
+                ``developer``, ``user`` and ``assistant`` turns, content a string or ``text`` and ``image_url``
+                parts in any order, up to ``VLMQ_MAX_IMAGES_PER_JOB`` images (none too); see ``vlmq.chat``.
+                Each image is priced, and the job classed, by the images' vision tokens together.
             model, max_new_tokens, priority, idempotency_key, ignore_eos, temperature, seed: as the fields of
                 :class:`vlmq.request.JobRequest` (``temperature`` 0 is greedy; a ``seed`` makes sampling repeatable).
             webhook: http(s) URL that receives the job's signed final event (None: the client's default,
@@ -151,7 +129,7 @@ class Client:
         """
         request = JobRequest(image, prompt, model=model, max_new_tokens=max_new_tokens, priority=priority,
                              idempotency_key=idempotency_key, ignore_eos=ignore_eos, webhook=webhook,
-                             temperature=temperature, seed=seed)
+                             temperature=temperature, seed=seed, messages=messages)
         return self._submit([self._prepare(request)], wait_for_room)[0]
 
     def submit_many(self, requests: Iterable[JobRequest | Mapping[str, Any]], *,
@@ -162,7 +140,8 @@ class Client:
         adds, before any is enqueued.
 
         Args:
-            requests: the jobs (``{"image": ..., "prompt": ..., "max_new_tokens": ...}`` or ``JobRequest``).
+            requests: the jobs (``{"messages": [...], "max_new_tokens": ...}``, ``{"image": ..., "prompt": ...}``
+                or ``JobRequest``).
             wait_for_room: when a class queue has no room for the batch's jobs, wait up to this many seconds.
 
         Returns:
@@ -253,9 +232,9 @@ class Client:
         return batch
 
     def _prepare_batch(self, path: Path, priority: int, max_new_tokens: int,
-                       anywhere: bool) -> tuple[list[_Prepared], list[BatchLine], list[LineError]]:
+                       anywhere: bool) -> tuple[list[Prepared], list[BatchLine], list[LineError]]:
         prepared, lines, errors, seen = [], [], [], set()
-        loaded: dict[str, _Input] = {}  # each distinct image reference read and probed once
+        loaded: dict[str, Input] = {}  # each distinct image reference read and probed once
         try:
             numbered = list(read_lines(path))
         except (OSError, ValueError) as e:  # ValueError: not UTF-8, or a NUL or lone surrogate in the path
@@ -267,7 +246,7 @@ class Client:
                     raise InvalidRequest(f"custom_id {line.custom_id!r} is used by an earlier line",
                                          code="duplicate_custom_id")
                 seen.add(line.custom_id)
-                request = JobRequest(line.image, line.prompt, model=line.model, priority=priority,
+                request = JobRequest(messages=line.messages, model=line.model, priority=priority,
                                      max_new_tokens=line.max_new_tokens or max_new_tokens, webhook="",
                                      temperature=line.temperature, seed=line.seed)
                 prepared.append(self._prepare(request, loaded))
@@ -326,32 +305,41 @@ class Client:
     # -- internals -----------------------------------------------------------------------------
 
     def _check_params(self, r: JobRequest) -> ModelSpec:
-        # the same rules the worker applies to every record it is handed (vlmq.rules)
+        # the same rules the worker applies to every record it is handed (vlmq.rules; messages: vlmq.chat)
         rules.check_params(r.prompt, r.max_new_tokens, r.priority, r.idempotency_key, r.model,
                            max_prompt_chars=self.settings.max_prompt_chars,
-                           max_new_tokens_limit=self.settings.max_new_tokens, temperature=r.temperature, seed=r.seed)
+                           max_new_tokens_limit=self.settings.max_new_tokens, temperature=r.temperature, seed=r.seed,
+                           chat=r.messages is not None)
         return resolve_model(r.model, self.settings)
 
-    def _prepare(self, request: JobRequest, loaded: dict[str, _Input] | None = None) -> _Prepared:
+    def _prepare(self, request: JobRequest, loaded: dict[str, Input] | None = None) -> Prepared:
         """Check, load and price one request; ``loaded`` keeps images already read, by their reference."""
         spec = self._check_params(request)
         webhook = self.settings.webhook_url if request.webhook is None else request.webhook
         if webhook:
             check_webhook(webhook, self.settings.webhook_allow)
-        image = request.image
-        if loaded is None or not isinstance(image, str):
-            data, info, sha256 = self._read_input(image)
-        else:
-            if image not in loaded:
-                loaded[image] = self._read_input(image)
-            data, info, sha256 = loaded[image]
-        cost = estimate(info.width, info.height, spec.policy, cost_classes(self.settings))
-        return _Prepared(request, spec, data, info, sha256, cost, webhook)
+        s = self.settings
+        chat = None if request.messages is None else \
+            parse_messages(request.messages, max_images=s.max_images_per_job, max_chars=s.max_prompt_chars)
+        assert chat is not None or request.image is not None  # JobRequest.__post_init__: messages, or an image
+        refs = chat.images if chat is not None else (request.image,)
+        inputs = tuple(self._load(ref, loaded) for ref in refs if ref is not None)
+        cost = estimate_job([(i.info.width, i.info.height) for i in inputs], spec.policy, cost_classes(s))
+        prompttokens.check_prompt(model_folder(spec), spec.family, single_turn(request.prompt or "") if chat is None
+                                  else chat.messages, request.max_new_tokens, s.text_token_bound)
+        return Prepared(request, spec, inputs, cost, webhook, chat)
 
-    def _read_input(self, image: ImageSource) -> _Input:
+    def _load(self, image: ImageSource, loaded: dict[str, Input] | None) -> Input:
+        if loaded is None or not isinstance(image, str):
+            return self._read_input(image)
+        if image not in loaded:
+            loaded[image] = self._read_input(image)
+        return loaded[image]
+
+    def _read_input(self, image: ImageSource) -> Input:
         data = self._read_storage_uri(image) if isinstance(image, str) and is_storage_url(image) else \
             load_source(image, self._limits)
-        return _Input(data, probe(data, self._limits), hashlib.sha256(data).hexdigest())
+        return Input(data, probe(data, self._limits), hashlib.sha256(data).hexdigest())
 
     def _read_storage_uri(self, uri: str) -> bytes:
         try:
@@ -369,7 +357,7 @@ class Client:
         except (ValueError, KeyError) as e:
             raise InvalidRequest(f"cannot read {uri}: {e}", code="bad_image_source") from e
 
-    def _submit(self, items: list[_Prepared], wait_for_room: float, job_ids: list[str] | None = None,
+    def _submit(self, items: list[Prepared], wait_for_room: float, job_ids: list[str] | None = None,
                 extra: Sequence[Mapping[str, str]] | None = None) -> list[Job]:
         """Store the inputs, then write records and messages; ``extra`` adds record fields per item."""
         job_ids = job_ids or [keys.tenant_job_id(self.tenant, new_job_id()) for _ in items]
@@ -378,7 +366,7 @@ class Client:
             fresh = self._claim_idempotency(items, job_ids, claimed)
             self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
             # durability: every input is stored before any message that names it becomes visible
-            self._store_inputs(list({items[i].sha256: items[i] for i in fresh}.values()))
+            self._store_inputs(list({x.sha256: x for i in fresh for x in items[i].inputs}.values()))
             self._enqueue([(job_ids[i], items[i], extra[i] if extra else {}) for i in fresh])
         except BaseException:
             if claimed:
@@ -386,7 +374,7 @@ class Client:
             raise
         return [Job(self.store, job_id) for job_id in job_ids]
 
-    def _store_inputs(self, items: list[_Prepared]) -> None:
+    def _store_inputs(self, items: list[Input]) -> None:
         if len(items) <= 1:
             for item in items:
                 self._store_input(item)
@@ -395,7 +383,7 @@ class Client:
             self._pool = ThreadPoolExecutor(INPUT_THREADS, thread_name_prefix="vlmq-input")
         list(self._pool.map(self._store_input, items))
 
-    def _enqueue(self, entries: list[tuple[str, _Prepared, Mapping[str, str]]]) -> None:
+    def _enqueue(self, entries: list[tuple[str, Prepared, Mapping[str, str]]]) -> None:
         """Records, messages and wake tokens: one script call per job, one round trip per chunk.
 
         The script (``vlmq.affinity.ENQUEUE_SCRIPT``) routes the job (a hot image's worker queue, else the shared
@@ -407,10 +395,10 @@ class Client:
             pipe = self.redis.pipeline(transaction=False)
             bound = self.settings.affinity_queue_bound if self.settings.affinity else 0  # 0: never routed
             for job_id, item, extra in chunk:
-                record = [v for kv in (self._record(job_id, item) | dict(extra)).items() for v in kv]
+                record = [v for kv in (item.record(job_id, self.tenant) | dict(extra)).items() for v in kv]
                 priority = item.request.priority
                 script_keys, args = affinity.enqueue_call(
-                    keys.job(job_id), keys.input_object(item.sha256, self.tenant), item.spec.name,
+                    keys.job(job_id), item.route_key(self.tenant), item.spec.name,
                     item.cost.cost_class, priority, bound=bound,
                     record_ttl=self.settings.job_ttl, wake_ttl=WAKE_TTL,
                     message=self._writer.message(job_id, item.queue, priority), record=record)
@@ -424,7 +412,7 @@ class Client:
                 log.info("job %s queued (%s, %d vision tokens)", job_id, item.cost.cost_class,
                          item.cost.vision_tokens)
 
-    def _claim_idempotency(self, items: list[_Prepared], job_ids: list[str], claimed: list[str]) -> list[int]:
+    def _claim_idempotency(self, items: list[Prepared], job_ids: list[str], claimed: list[str]) -> list[int]:
         """Claim each request's idempotency key; returns the indices to enqueue (the others reuse a job id)."""
         fresh = []
         for i, item in enumerate(items):
@@ -452,28 +440,14 @@ class Client:
         first_id, _, first_fingerprint = stored.decode().partition(" ")
         if first_fingerprint != fingerprint:
             raise InvalidRequest(f"idempotency key {key!r} was used for a different request (job {first_id}); "
-                                 "the same key must come with the same image, prompt and parameters",
+                                 "the same key must come with the same images, prompt or messages and parameters",
                                  code="idempotency_conflict")
         return first_id
 
-    def _store_input(self, item: _Prepared) -> None:
+    def _store_input(self, item: Input) -> None:
         input_key = keys.input_object(item.sha256, self.tenant)
         if not self.storage.holds(input_key, item.sha256):  # other bytes at this address are replaced
             self.storage.put_addressed(input_key, item.data)
-
-    def _record(self, job_id: str, item: _Prepared) -> dict[str, Any]:
-        cost, request, stamp = item.cost, item.request, repr(now())
-        return {
-            "id": job_id, "status": JobStatus.QUEUED.value, "model": item.spec.name, "prompt": request.prompt,
-            "max_new_tokens": request.max_new_tokens, "priority": request.priority,
-            "input_key": keys.input_object(item.sha256, self.tenant), "image_format": item.info.format,
-            "width": item.info.width, "height": item.info.height, "vision_tokens": cost.vision_tokens,
-            "encoder_patches": cost.encoder_patches, "cost_class": cost.cost_class,
-            "created_at": stamp, "queued_at": stamp, "idempotency_key": request.idempotency_key or "",
-            "attempts": 0, "ignore_eos": int(bool(request.ignore_eos)), "webhook": item.webhook,
-            # sampling: absent (records written before it) or 0 means greedy; "" is no seed
-            "temperature": repr(float(request.temperature)), "seed": "" if request.seed is None else request.seed,
-        }
 
     def _wait_for_room(self, adding: Mapping[tuple[str, str], int], timeout: float) -> None:
         """Wait until every (model, class) queue has room for what this call adds (``VLMQ_MAX_QUEUE_DEPTH``)."""

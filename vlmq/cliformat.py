@@ -10,7 +10,7 @@ from typing import Any
 
 # record fields shown as times, and the ones shown as numbers
 _TIMES = ("created_at", "queued_at", "started_at", "finished_at", "failed_at", "canceled_at")
-_SHOWN = ("model", "cost_class", "vision_tokens", "priority", "max_new_tokens", "worker", "attempts",
+_SHOWN = ("model", "cost_class", "vision_tokens", "image_count", "priority", "max_new_tokens", "worker", "attempts",
           "generated_tokens", "custom_id", "batch_id")
 
 

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from vlmq.images import ImageInfo, ImageLimits
 
 __all__ = [
-    "MAX_ASPECT_RATIO", "CostClasses", "CostEstimate", "ImagePolicy", "ImageShape", "ResolutionPolicy",
-    "check_side", "cost_report", "estimate", "estimate_image", "smart_resize",
+    "MAX_ASPECT_RATIO", "CostClasses", "CostEstimate", "ImagePolicy", "ImageShape", "JobCost", "ResolutionPolicy",
+    "check_side", "cost_report", "estimate", "estimate_image", "estimate_job", "smart_resize",
 ]
 
 # transformers rejects images whose long side is more than 200 times the short side.
@@ -410,6 +410,42 @@ def estimate_image(
         InvalidRequest: see :func:`estimate`.
     """
     return estimate(info.width, info.height, policy, classes)
+
+
+@dataclass(frozen=True, slots=True)
+class JobCost:
+    """What a job's images cost the model together (none: a text-only job costs 0), classed by the total.
+
+    Attributes:
+        vision_tokens: the sum of the images' vision tokens.
+        encoder_patches: the sum of their encoder patches.
+        cost_class: the queue class of ``vision_tokens``.
+        images: each image's estimate, in the job's order.
+    """
+
+    vision_tokens: int
+    encoder_patches: int
+    cost_class: str
+    images: tuple[CostEstimate, ...] = ()
+
+
+def estimate_job(sizes: Sequence[tuple[int, int]], policy: ImagePolicy = ResolutionPolicy(),
+                 classes: CostClasses = CostClasses()) -> JobCost:
+    """Prices a job's images, each ``(width, height)`` as displayed, by :func:`estimate`.
+
+    Raises:
+        InvalidRequest: see :func:`estimate`; ``too_many_vision_tokens`` when the images together fall in the top
+            class and cost more than its bound, the largest image the policy takes (what workers budget a job of
+            the top class for, ``vlmq.models.class_cost``).
+    """
+    images = tuple(estimate(w, h, policy, classes) for w, h in sizes)
+    tokens, limit = sum(e.vision_tokens for e in images), policy.max_vision_tokens()
+    cost_class = classes.classify(tokens)
+    if cost_class == classes.top and tokens > limit:
+        raise InvalidRequest(f"the job's {len(images)} images cost {tokens} vision tokens together: above every "
+                             f"class bound and above {limit}, the model's largest image, which bounds class "
+                             f"{classes.top}; send smaller images or split the job", code="too_many_vision_tokens")
+    return JobCost(tokens, sum(e.encoder_patches for e in images), cost_class, images)
 
 
 _REPORT_HEADER = ("file", "format", "size", "resized", "tiles", "vision_tokens", "patches", "class")

@@ -7,7 +7,9 @@ their own family's rule (``config.json``'s ``model_type``, see :mod:`vlmq.famili
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 from vlmq.cost import CostClasses, ImagePolicy, ResolutionPolicy
 from vlmq.errors import InvalidRequest
@@ -54,6 +56,17 @@ def resolve_model(name: str, settings: Settings) -> ModelSpec:
     known = sorted({BUNDLED_MODEL, *settings.models})
     raise InvalidRequest(f"unknown model {name!r}; known models: {', '.join(known)} (add more with VLMQ_MODELS)",
                          code="unknown_model")
+
+
+def model_folder(spec: ModelSpec) -> Path | None:
+    """The model's local folder: its ``VLMQ_MODELS`` path, or the bundled model's in the installed worker package
+    (found, not imported; None where that package is not installed)."""
+    if spec.path is not None:
+        return Path(spec.path)
+    found = importlib.util.find_spec("vlmq.workers")
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(list(found.submodule_search_locations)[0]) / "assets" / spec.name
 
 
 def cost_classes(settings: Settings) -> CostClasses:

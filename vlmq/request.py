@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +21,17 @@ DEFAULT_MODEL = "tiny-shapes"
 class JobRequest:
     """One job as a producer asks for it (``Client.submit``'s arguments); checked at submit.
 
+    A job is either ``messages`` (a chat) or ``image`` and ``prompt`` (the shortcut for one user turn: the image,
+    then the prompt).
+
     Attributes:
         image: a path, bytes, a binary file object, a PIL image, or an ``s3://``/``file://`` URI in the
             pool's storage.
         prompt: the question or instruction about the image.
+        messages: OpenAI Chat Completions messages (``system``, ``developer``, ``user``, ``assistant`` turns;
+            content a string or ``text`` and ``image_url`` parts in any order, any number of images up to
+            ``VLMQ_MAX_IMAGES_PER_JOB``, none too), see ``vlmq.chat``. An ``image_url.url`` is a ``data:`` URL, a
+            local path, a ``file://`` URL or an ``s3://`` URI in the pool's storage.
         model: model name (``tiny-shapes`` is bundled; others come from ``VLMQ_MODELS``).
         max_new_tokens: most tokens to generate (1 .. ``VLMQ_MAX_NEW_TOKENS``).
         priority: 0 (highest) to 9 (lowest).
@@ -37,8 +44,8 @@ class JobRequest:
             whatever the job is batched with); None draws fresh randomness. Ignored when greedy.
     """
 
-    image: ImageSource
-    prompt: str
+    image: ImageSource | None = None
+    prompt: str | None = None
     model: str = DEFAULT_MODEL
     max_new_tokens: int = 128
     priority: int = DEFAULT_PRIORITY
@@ -47,34 +54,45 @@ class JobRequest:
     webhook: str | None = None
     temperature: float = 0.0
     seed: int | None = None
+    messages: Sequence[Mapping[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.messages is not None and (self.image is not None or self.prompt is not None):
+            raise InvalidRequest("a request is either messages or an image and a prompt, not both",
+                                 code="conflicting_fields")
+        if self.messages is None and (self.image is None or self.prompt is None):
+            missing = [name for name in ("image", "prompt") if getattr(self, name) is None]
+            raise InvalidRequest(f"missing {', '.join(missing)} (or pass messages)", code="missing_field")
 
     @classmethod
     def from_mapping(cls, item: Mapping[str, Any]) -> JobRequest:
         """A request from a mapping of its fields (what ``submit_many`` accepts).
 
         Raises:
-            InvalidRequest: ``missing_field`` without ``image`` or ``prompt``; ``unknown_field`` for any other key.
+            InvalidRequest: ``missing_field`` without ``messages`` or ``image`` and ``prompt``;
+                ``conflicting_fields`` for both; ``unknown_field`` for any other key.
         """
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(item) - names)
         if unknown:
             raise InvalidRequest(f"unknown field(s) {', '.join(map(str, unknown))}; a request takes "
                                  f"{', '.join(sorted(names))}", code="unknown_field")
-        missing = [name for name in ("image", "prompt") if name not in item]
-        if missing:
-            raise InvalidRequest(f"missing {', '.join(missing)}", code="missing_field")
         return cls(**item)
 
 
-def fingerprint(request: JobRequest, model: str, image_sha256: str) -> str:
-    """A digest of everything that decides a job's answer: model, image content, prompt and parameters.
+def fingerprint(request: JobRequest, model: str, image_sha256: Sequence[str], messages: str = "") -> str:
+    """A digest of everything that decides a job's answer: model, images' content, prompt or messages (``messages``:
+    the chat as its record stores it, ``vlmq.chat.Chat.to_json``) and parameters.
 
     The idempotency key stores it beside the job id, so a second request under the same key is
     recognised as the same request or refused as a different one.
     """
-    content = {"model": model, "image": image_sha256, "prompt": request.prompt,
-               "max_new_tokens": request.max_new_tokens, "priority": request.priority,
-               "ignore_eos": bool(request.ignore_eos)}
+    content: dict[str, Any] = {"model": model, "max_new_tokens": request.max_new_tokens,
+                               "priority": request.priority, "ignore_eos": bool(request.ignore_eos)}
+    if request.messages is None:  # the shortcut keeps the digest it had before messages
+        content |= {"image": image_sha256[0], "prompt": request.prompt}
+    else:
+        content |= {"images": list(image_sha256), "messages": messages}
     if request.temperature or request.seed is not None:  # greedy requests keep the digests they had before sampling
         content["sampling"] = [float(request.temperature), request.seed]
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

@@ -10,7 +10,9 @@ import re
 from collections.abc import Mapping
 
 from vlmq import keys
+from vlmq.chat import from_record
 from vlmq.errors import InvalidRequest
+from vlmq.text import check_utf8 as check_utf8  # re-exported: callers know it as rules.check_utf8
 
 PRIORITIES = range(0, 10)  # 0 is the highest (Celery on Redis)
 MAX_IDEMPOTENCY_KEY_CHARS = 200
@@ -22,25 +24,13 @@ STATUSES = frozenset({"queued", "started", "finished", "failed", "canceled"})
 # record fields the worker reads, and how each must parse
 _FLOATS = ("created_at", "queued_at")
 _INTS = ("max_new_tokens", "priority")
-_TEXTS = ("id", "status", "model", "prompt", "input_key")
+_TEXTS = ("id", "status", "model")
+_SHORTCUT_TEXTS = ("prompt", "input_key")  # a record of the (image, prompt) shortcut; a messages record has messages
 
 
 def is_job_id(value: object) -> bool:
     """Whether ``value`` is a job id of the form the SDK makes (32 lowercase hex digits, maybe after a tenant)."""
     return isinstance(value, str) and _JOB_ID.fullmatch(value) is not None
-
-
-def check_utf8(text: str, what: str, code: str) -> None:
-    """``text`` encodes as UTF-8, as Redis and JSON need it to: a lone surrogate (``"\\ud800"``) does not.
-
-    Raises:
-        InvalidRequest: with ``code``, naming the first character that does not encode.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{what} is not valid Unicode text: character {e.start} is {text[e.start]!r} "
-                             f"({e.reason}); send text that encodes as UTF-8", code=code) from None
 
 
 def check_prompt(prompt: object, max_chars: int) -> None:
@@ -92,9 +82,11 @@ def check_model_name(model: object) -> None:
 
 def check_params(prompt: object, max_new_tokens: object, priority: object, idempotency_key: object,
                  model: object, *, max_prompt_chars: int, max_new_tokens_limit: int, temperature: object = 0.0,
-                 seed: object = None) -> None:
-    """Every per-request parameter rule of ``Client.submit`` (the model's existence is checked apart)."""
-    check_prompt(prompt, max_prompt_chars)
+                 seed: object = None, chat: bool = False) -> None:
+    """Every per-request parameter rule of ``Client.submit`` (the model's existence is checked apart); ``chat``: a
+    messages job, without a prompt (``vlmq.chat`` checks its messages)."""
+    if not chat:
+        check_prompt(prompt, max_prompt_chars)
     check_max_new_tokens(max_new_tokens, max_new_tokens_limit)
     check_priority(priority)
     check_temperature(temperature)
@@ -111,14 +103,17 @@ def check_input_key(job_id: str, key: object) -> None:
 
 
 def check_record(record: Mapping[str, str], job_id: str, *, max_prompt_chars: int,
-                 max_new_tokens_limit: int) -> None:
+                 max_new_tokens_limit: int, max_images: int = 16) -> None:
     """A job record as read from Redis (all values strings) follows the submit rules and the record schema.
 
     Raises:
         InvalidRequest: ``bad_record`` for a missing, ill-typed or foreign field or an unknown status; the
-            parameter codes (``bad_max_new_tokens``, ``bad_prompt``, ...) and ``bad_input_key`` otherwise.
+            parameter codes (``bad_max_new_tokens``, ``bad_prompt``, ``image_count``, ...) and ``bad_input_key``
+            otherwise.
     """
-    missing = [f for f in (*_TEXTS, *_INTS, *_FLOATS) if not isinstance(record.get(f), str)]
+    chat = isinstance(record.get("messages"), str)
+    texts = (*_TEXTS, *(("messages",) if chat else _SHORTCUT_TEXTS))
+    missing = [f for f in (*texts, *_INTS, *_FLOATS) if not isinstance(record.get(f), str)]
     if missing:
         raise InvalidRequest(f"job record lacks {', '.join(missing)}", code="bad_record")
     if record["id"] != job_id:
@@ -129,12 +124,30 @@ def check_record(record: Mapping[str, str], job_id: str, *, max_prompt_chars: in
     for name in _FLOATS:
         _parse_float(record, name)
     temperature, seed = sampling(record)
-    check_params(record["prompt"], _parse_int(record, "max_new_tokens"), _parse_int(record, "priority"),
+    check_params(record.get("prompt"), _parse_int(record, "max_new_tokens"), _parse_int(record, "priority"),
                  record.get("idempotency_key") or None, record["model"], max_prompt_chars=max_prompt_chars,
-                 max_new_tokens_limit=max_new_tokens_limit, temperature=temperature, seed=seed)
-    check_input_key(job_id, record["input_key"])
+                 max_new_tokens_limit=max_new_tokens_limit, temperature=temperature, seed=seed, chat=chat)
+    for key in input_keys(record, max_images=max_images, max_chars=max_prompt_chars)[0]:
+        check_input_key(job_id, key)
     if record.get("ignore_eos", "0") not in ("0", "1"):
         raise InvalidRequest("job record ignore_eos must be 0 or 1", code="bad_record")
+
+
+def input_keys(record: Mapping[str, str], *, max_images: int = 16,
+               max_chars: int = 8000) -> tuple[list[str], list[dict[str, object]] | None]:
+    """A record's image input keys, in order, and its messages (None: the ``(image, prompt)`` shortcut, whose one
+    image is ``input_key``); the messages are checked (``vlmq.chat.check_chat``), the keys are not.
+
+    Raises:
+        InvalidRequest: ``bad_record`` when ``input_key`` is not the first of a messages record's ``input_keys``;
+            the codes of ``vlmq.chat.from_record``.
+    """
+    if not isinstance(record.get("messages"), str):
+        return [record["input_key"]], None
+    messages, keys_ = from_record(record, max_images=max_images, max_chars=max_chars)
+    if record.get("input_key", keys_[0] if keys_ else None) != (keys_[0] if keys_ else None):
+        raise InvalidRequest("job record input_key is not its first input_keys entry", code="bad_record")
+    return keys_, messages
 
 
 def sampling(record: Mapping[str, str]) -> tuple[float, int | None]:

@@ -127,9 +127,10 @@ class Settings:
                                       to_text=_format_models)
     cost_classes: str = _setting(DEFAULT_COST_CLASSES, BOTH, "cost classes as bounds on vision tokens")
     text_token_bound: int = _setting(2048, BOTH, "text tokens (prompt + answer) a job may use: counted in every "
-                                     "class cost, enforced by workers")
+                                     "class cost, checked at submit and by workers")
     max_new_tokens: int = _setting(1024, BOTH, "largest `max_new_tokens` a job may ask for (workers re-check it)")
     max_prompt_chars: int = _setting(8000, BOTH, "longest prompt accepted, in characters (workers re-check it)")
+    max_images_per_job: int = _setting(16, BOTH, "most images one job's messages may hold (workers re-check it)")
     max_image_bytes: int = _setting(20 * 1024 * 1024, BOTH, "largest image accepted, in bytes",
                                     shown="20 MiB")
     max_image_pixels: int = _setting(40_000_000, BOTH, "largest declared image size, in pixels",
@@ -224,9 +225,9 @@ class Settings:
                                 shown="the model's default")
 
     def __post_init__(self) -> None:
-        for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_image_bytes",
-                     "max_image_pixels", "job_ttl", "worker_budget", "worker_batch", "visibility_timeout",
-                     "max_attempts", "affinity_queue_bound", "affinity_ttl"):
+        for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_images_per_job",
+                     "max_image_bytes", "max_image_pixels", "job_ttl", "worker_budget", "worker_batch",
+                     "visibility_timeout", "max_attempts", "affinity_queue_bound", "affinity_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.broker_url.startswith(("redis://", "rediss://", "unix://")):

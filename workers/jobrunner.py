@@ -87,7 +87,7 @@ def _run(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
                      "deliveries crashed their worker or timed out", False)
     store.transition(ctx.redis, job_id, _ACTIVE, JobStatus.STARTED, {"worker": ctx.name})
     log.info("job %s started on %s", job_id, ctx.name, extra=phase("started"))
-    if ctx.fleet is not None:
+    if ctx.fleet is not None and record.get("input_key"):  # a text-only job has no image to route by
         ctx.fleet.claim(record["input_key"])
     try:
         return _serve(ctx, job_id, record)
@@ -104,15 +104,19 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     t0 = time.monotonic()
     if record["model"] != ctx.model:
         raise JobFailed("wrong_model", f"job is for model {record['model']!r}; this worker serves {ctx.model!r}")
-    data = fetch_input(ctx, record["input_key"])
+    s = ctx.settings  # messages None: the (image, prompt) shortcut; both checked with the record (check_record)
+    input_keys, messages = rules.input_keys(record, max_images=s.max_images_per_job, max_chars=s.max_prompt_chars)
+    blobs = [fetch_input(ctx, key) for key in input_keys]
     t1 = time.monotonic()
     try:
-        image = decode(data, ctx.limits)
+        images = tuple(decode(data, ctx.limits) for data in blobs)
     except InvalidRequest as e:
         raise JobFailed(e.code, str(e)) from e
     t2 = time.monotonic()
     temperature, seed = rules.sampling(record)  # checked with the record (check_record)
-    request = GenRequest(job_id, image, record["prompt"], int(record["max_new_tokens"]),
+    chat = messages is not None
+    request = GenRequest(job_id, None if chat else images[0], record.get("prompt", ""),
+                         int(record["max_new_tokens"]), messages=messages, images=images if chat else (),
                          ignore_eos=record.get("ignore_eos") == "1", priority=int(record.get("priority", 5)),
                          temperature=temperature, seed=seed if temperature > 0 else None,
                          max_text_tokens=ctx.settings.text_token_bound,
@@ -127,7 +131,7 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     except Exception as e:
         raise JobFailed("model_error", f"{type(e).__name__}: {e}", retryable=True) from e
     t3 = time.monotonic()
-    if ctx.fleet is not None:
+    if ctx.fleet is not None and record.get("input_key"):
         ctx.fleet.served(record["input_key"], output.image_tokens)
     timings = {"queue": max(0.0, now() - float(record["queued_at"]) - (t3 - t0)), "fetch": t1 - t0,
                "decode_image": t2 - t1, "model": t3 - t2}
@@ -201,7 +205,8 @@ def cache_salt(job_id: str, settings: Settings) -> str | None:
 def check_record(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> None:
     """The record follows the SDK's rules (``vlmq.rules``) under this worker's settings; raises InvalidRequest."""
     s = ctx.settings
-    rules.check_record(record, job_id, max_prompt_chars=s.max_prompt_chars, max_new_tokens_limit=s.max_new_tokens)
+    rules.check_record(record, job_id, max_prompt_chars=s.max_prompt_chars, max_new_tokens_limit=s.max_new_tokens,
+                       max_images=s.max_images_per_job)
 
 
 def _fail_record(ctx: WorkerContext, job_id: str, record: dict[str, str], error: InvalidRequest) -> str:

@@ -13,6 +13,7 @@ during one sweep's few seconds between reading the records and deleting; that jo
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -40,11 +41,20 @@ def live_inputs(redis: Any) -> set[str]:
     for names in _scan_batches(redis, keys.job_pattern()):
         pipe = redis.pipeline(transaction=False)
         for name in names:
-            pipe.hmget(name, "status", "input_key")
-        for status, input_key in pipe.execute():
-            if input_key and (status or b"").decode(errors="replace") not in FINAL:
-                live.add(input_key.decode(errors="replace"))
+            pipe.hmget(name, "status", "input_key", "input_keys")  # input_keys: every image of a messages job
+        for status, input_key, input_keys in pipe.execute():
+            if (status or b"").decode(errors="replace") not in FINAL:
+                live.update(k.decode(errors="replace") for k in (input_key,) if k)
+                live.update(_keys_of(input_keys))
     return live
+
+
+def _keys_of(input_keys: bytes | None) -> list[str]:
+    try:
+        found = json.loads(input_keys or b"[]")
+    except ValueError:  # a forged record protects nothing
+        return []
+    return [k for k in found if isinstance(k, str)] if isinstance(found, list) else []
 
 
 def _scan_batches(redis: Any, pattern: str) -> Iterator[list[bytes]]:

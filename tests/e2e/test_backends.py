@@ -120,3 +120,22 @@ def test_a_job_joins_the_running_batch_and_leaves_before_it(loaded: dict[str, Ba
     finally:
         batcher.hand_back_all("test over")
         del backend.step  # type: ignore[attr-defined]
+
+
+def test_both_backends_answer_chats_alike(loaded: dict[str, Backend]) -> None:
+    # several images where their parts stand, system and assistant turns, a text-only chat, beside a shortcut row
+    samples = [decode(data) for data, _, _, _ in load_samples()[:3]]
+    chat = [{"role": "system", "content": "You describe shapes."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]},
+            {"role": "assistant", "content": "a red circle"},
+            {"role": "user", "content": [{"type": "text", "text": "And these?"}, {"type": "image"}, {"type": "image"}]}]
+    batch = [GenRequest("chat", None, "", 12, ignore_eos=True, messages=chat, images=tuple(samples)),
+             GenRequest("text", None, "", 12, ignore_eos=True, messages=[{"role": "user", "content": "How many?"}]),
+             GenRequest("shortcut", samples[0], "Describe the image.", 12, ignore_eos=True)]
+    outputs = {name: backend.generate(batch) for name, backend in loaded.items()}
+    for name, outs in outputs.items():
+        assert all(isinstance(out, GenOutput) and len(out.token_ids) == 12 for out in outs), (name, outs)
+    engine, hf = outputs["engine"], outputs["hf"]
+    assert [(o.token_ids, o.prompt_tokens, o.image_tokens) for o in engine] == \
+        [(o.token_ids, o.prompt_tokens, o.image_tokens) for o in hf]
+    assert engine[0].image_tokens > engine[2].image_tokens > 0 == engine[1].image_tokens

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from pathlib import Path
@@ -140,3 +141,21 @@ def test_by_default_nothing_is_deleted(file_settings: Settings, tmp_path: Path) 
             worker.stop()
         assert {result("ancient"), orphan("ancient"), keys.result_object(job.id)} <= stored(client.storage)
         assert "retention" not in worker.log()
+
+
+def test_every_image_of_a_live_chat_job_is_kept(redis_url: str, redis_client, tmp_path: Path) -> None:
+    settings = Settings(broker_url=redis_url, storage_url=(tmp_path / "store").as_uri())
+
+    def chat(*reds: int) -> list[dict]:
+        parts = [{"type": "image_url", "image_url": {"url": str(tmp_path / f"{red}.png")}} for red in reds]
+        return [{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}]
+
+    for red in (4, 5, 6, 7):
+        (tmp_path / f"{red}.png").write_bytes(image(red))
+    with Client(settings=settings) as client:
+        live, done = client.submit(messages=chat(4, 5)), client.submit(messages=chat(6, 7))
+        transition(redis_client, done.id, [JobStatus.QUEUED], JobStatus.FINISHED)
+        later = time.time() + 2 * HOUR
+        assert RetentionSweeper(redis_client, client.storage, HOUR, "w1", clock=lambda: later).sweep() == 2
+        kept, gone = (set(json.loads(job.info()["input_keys"])) for job in (live, done))
+        assert len(kept) == len(gone) == 2 and kept <= stored(client.storage) and not gone & stored(client.storage)

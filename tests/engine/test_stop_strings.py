@@ -152,9 +152,9 @@ def test_the_worker_backends_apply_stop_or_refuse_it_by_name() -> None:
     try:
         [free] = engine.generate([GenRequest("free", img, question, MAX_NEW, ignore_eos=True)])
         stop = free.text[3:6]
-        [out] = engine.generate([GenRequest("stop", img, question, MAX_NEW, ignore_eos=True, stop=(stop,))])
+        [out] = engine.generate([GenRequest("stop", img, question, MAX_NEW, ignore_eos=True, controls={"stop": (stop,)})])
     finally:
         engine.close()
     assert out.finish_reason is FinishReason.STOP and out.text == free.text.split(stop)[0]
-    [refused] = HFBackend(str(TINY)).generate([GenRequest("hf", img, question, MAX_NEW, stop=(stop,))])
-    assert isinstance(refused, InvalidRequest) and refused.code == "invalid_stop"
+    [refused] = HFBackend(str(TINY)).generate([GenRequest("hf", img, question, MAX_NEW, controls={"stop": (stop,)})])
+    assert isinstance(refused, InvalidRequest) and refused.code == "unsupported_control" and "stop" in str(refused)

@@ -70,7 +70,11 @@ def test_openai_documented_example_is_accepted(client: Client, tmp_path: Path) -
     assert obj["expires_at"] - obj["created_at"] == 24 * 3600 and obj["endpoint"] == "/v1/chat/completions"
     records = [client.job(j.decode()).info() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
     assert [r["custom_id"] for r in records] == ["request-1", "request-2"]
-    assert records[0]["prompt"] == "You are a helpful assistant.\n\nHello world!"
+    # the system turn stays a system turn (rendered where the chat template puts it), not glued into the user's text
+    assert json.loads(records[0]["messages"]) == [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello world!"}, {"type": "image"}]}]
+    assert "prompt" not in records[0] and records[0]["image_count"] == "1"
     assert records[1]["max_new_tokens"] == "1000" and records[1]["batch_id"] == batch.id
     assert queued(client) == 2
 
@@ -89,10 +93,13 @@ def test_every_bad_line_is_refused_with_its_number_and_nothing_is_enqueued(clien
         line("x10", "img.png").replace('"tiny-shapes"', '"gpt-4o"'), line("x11", "img.png", n=2),
         line("x12", "img.png", tools=[]), line("x13", "s3://elsewhere/cat.png"),
         line("x14", data_url(b"GIF89a not really")),
+        # text-only and assistant turns are requests now (issue 29): these two are too many images and a bad part
         json.dumps({"custom_id": "x15", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": "tiny-shapes", "messages": [{"role": "user", "content": "no image"}]}}),
+                    "body": {"model": "tiny-shapes", "messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": "img.png"}}] * 17}]}}),
         json.dumps({"custom_id": "x16", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": "tiny-shapes", "messages": [{"role": "assistant", "content": "hi"}]}}),
+                    "body": {"model": "tiny-shapes", "messages": [{"role": "user", "content": [
+                        {"type": "picture", "picture": "img.png"}]}]}}),
     ]
     assert len(bad) == 20
     lines = good[:10] + bad[:10] + [""] + good[10:] + bad[10:]  # a blank line is skipped but counted
@@ -134,7 +141,7 @@ def test_what_enqueueing_would_fail_on_is_refused_at_parse_time_with_the_lines_n
     codes = {e.line: e.code for e in err.value.errors}
     assert codes == {501: "bad_prompt", 502: "bad_custom_id", 503: "bad_json", 504: "bad_json",
                      505: "bad_image_source", 506: "bad_image_source", 507: "bad_image_source"}, codes
-    assert "line 501: bad_prompt: prompt is not valid Unicode text" in str(err.value)
+    assert "line 501: bad_prompt: messages[0].content[0].text is not valid Unicode text" in str(err.value)
     assert "nested deeper than 32 levels" in str(err.value)
     assert queued(client) == 0 and not client.redis.keys(keys.job("*"))
     assert client.batch(err.value.batch_id).refresh()["status"] == "failed"

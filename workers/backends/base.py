@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vlmq.workers.engine.sequence import FinishReason
@@ -25,8 +25,12 @@ class GenRequest:
     cache_salt: str | None = None  # cache entries are shared only among requests of one salt (jobrunner.cache_salt)
     temperature: float = 0.0  # 0 = greedy; otherwise sampled at this temperature (vlmq.rules: at most 2)
     seed: int | None = None  # with temperature > 0: the same seed gives the same tokens (None: fresh randomness)
-    stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first one it completes
-    stop_token_ids: tuple[int, ...] = ()  # tokens that end the answer as eos does
+    # a chat (vlmq.chat's engine form: image parts {"type": "image"}) instead of image and prompt, and its images
+    messages: list[dict] | None = None
+    images: tuple[Any, ...] = ()  # with messages: PIL RGB images in the order of the image parts (none: text only)
+    # decoding controls, by the engine Request's field names (stop, stop_token_ids, top_p, top_k, min_p,
+    # repetition/frequency/presence_penalty, logit_bias, min_tokens, logprobs); checked by vlmq.decoding at submit
+    controls: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

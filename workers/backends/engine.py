@@ -128,10 +128,13 @@ def engine_request(request: GenRequest) -> Request:
     if request.priority not in PRIORITY_STEPS:  # a record not written by the SDK
         raise InvalidRequest(f"priority must be an integer from 0 (highest) to 9, got {request.priority!r}",
                              code="bad_priority")
-    return Request(request.image, request.prompt, request.max_new_tokens, request.ignore_eos,
-                   priority=request.priority * PRIORITY_SCALE, temperature=request.temperature, seed=request.seed,
-                   max_text_tokens=request.max_text_tokens, cache_salt=request.cache_salt, stop=request.stop,
-                   stop_token_ids=request.stop_token_ids)
+    options = {"max_new_tokens": request.max_new_tokens, "ignore_eos": request.ignore_eos,
+               "priority": request.priority * PRIORITY_SCALE, "temperature": request.temperature,
+               "seed": request.seed, "max_text_tokens": request.max_text_tokens, "cache_salt": request.cache_salt,
+               **request.controls}
+    if request.messages is not None:
+        return Request.chat(request.messages, request.images, **options)
+    return Request(request.image, request.prompt, **options)
 
 
 def _gen_output(out: RequestOutput) -> GenOutput | Exception:

@@ -16,7 +16,7 @@ from vlmq.errors import InvalidRequest
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, is_canceled
 from vlmq.workers.engine.sequence import FinishReason
 from vlmq.workers.engine.spec_decode import position_generator
-from vlmq.workers.models.processor import ChatPrompt, load_processor
+from vlmq.workers.models.processor import ChatPrompt, load_processor, single_turn
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ class HFBackend(Backend):
         outputs: dict[int, GenOutput | Exception] = {}
         groups: dict[tuple[int, bool], list[int]] = {}
         for i, r in enumerate(requests):
-            if r.stop or r.stop_token_ids:  # refused by name, never dropped
-                outputs[i] = InvalidRequest("the hf reference backend does not apply stop or stop_token_ids; "
-                                            "use the engine backend", code="invalid_stop")
+            if r.controls:  # refused by name, never dropped
+                outputs[i] = InvalidRequest(f"the hf reference backend does not apply {', '.join(sorted(r.controls))}; "
+                                            "use the engine backend", code="unsupported_control")
                 continue
             groups.setdefault((r.max_new_tokens, r.ignore_eos), []).append(i)
         for (max_new, _), idx in groups.items():
@@ -118,8 +118,14 @@ class HFBackend(Backend):
 
     def _inputs(self, batch: list[GenRequest]) -> dict[str, torch.Tensor]:
         # what the processor returns for these prompts, except that the user's text stays plain text
-        images, num_tokens = self.processor.image_inputs([r.image for r in batch])
-        rows = [self.chat.ids(r.prompt, n) for r, n in zip(batch, num_tokens, strict=True)]
+        chats = [(r.messages, r.images) if r.messages is not None else (single_turn(r.prompt), (r.image,))
+                 for r in batch]
+        flat = [image for _, row_images in chats for image in row_images]
+        images, num_tokens = self.processor.image_inputs(flat) if flat else ({}, [])
+        rows, at = [], 0
+        for messages, row_images in chats:  # each row's images' token counts, in order
+            rows.append(self.chat.messages_ids(messages, num_tokens[at:at + len(row_images)])[0])
+            at += len(row_images)
         width = max(len(ids) for ids in rows)
         input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in rows])  # [B, L] left-padded
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])

@@ -22,7 +22,6 @@ parity tests and the benchmarks see the same pixels as the engine on every machi
 from __future__ import annotations
 
 import json
-import re
 import threading
 from pathlib import Path
 
@@ -33,6 +32,10 @@ from transformers.models.auto.image_processing_auto import AutoImageProcessor
 from transformers.models.internvl.processing_internvl import InternVLProcessor
 from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+
+# a text's stand-in in the rendered template, shared with the SDK's count of prompt tokens (one rendering rule)
+from vlmq.prompttokens import STAND_IN as _STAND_IN
+from vlmq.prompttokens import stand_in as _stand_in_message
 
 
 class Qwen2VLImageProcessor(Qwen2VLProcessor):
@@ -142,25 +145,6 @@ def single_turn(question: str) -> list[dict]:
 def render_prompt(processor, question: str) -> str:
     """Chat text for one user turn (one image, then the question), with the assistant turn opened."""
     return processor.apply_chat_template(single_turn(question), tokenize=False, add_generation_prompt=True)
-
-
-_STAND_IN = re.compile("\x00(\\d+)\x00")  # text number i stands in the rendered template as NUL i NUL
-
-
-def _stand_in_message(message: dict, texts: list[str]) -> dict:
-    """The message with each text replaced by its stand-in (appended to `texts`); image parts kept."""
-    content = message["content"]
-    if isinstance(content, str):
-        texts.append(content)
-        return {**message, "content": f"\x00{len(texts) - 1}\x00"}
-    parts = []
-    for part in content:
-        if part["type"] == "text":
-            texts.append(part["text"])
-            parts.append({"type": "text", "text": f"\x00{len(texts) - 1}\x00"})
-        else:
-            parts.append({"type": "image"})
-    return {**message, "content": parts}
 
 
 class ChatPrompt:
