@@ -152,7 +152,8 @@ def test_the_worker_backends_apply_stop_or_refuse_it_by_name() -> None:
     try:
         [free] = engine.generate([GenRequest("free", img, question, MAX_NEW, ignore_eos=True)])
         stop = free.text[3:6]
-        [out] = engine.generate([GenRequest("stop", img, question, MAX_NEW, ignore_eos=True, controls={"stop": (stop,)})])
+        [out] = engine.generate([GenRequest("stop", img, question, MAX_NEW, ignore_eos=True,
+                                            controls={"stop": (stop,)})])
     finally:
         engine.close()
     assert out.finish_reason is FinishReason.STOP and out.text == free.text.split(stop)[0]
