@@ -239,7 +239,8 @@ def output_line(record: dict[str, str], doc: dict[str, Any]) -> dict[str, Any]:
     body = {"id": f"chatcmpl-{record['id']}", "object": "chat.completion",
             "created": int(float(record.get("finished_at", doc.get("finished_at", 0)))), "model": doc["model"],
             "choices": [{"index": 0, "message": {"role": "assistant", "content": doc["text"], "refusal": None},
-                         "logprobs": None, "finish_reason": doc["finish_reason"]}],
+                         "logprobs": {"content": doc["logprobs"], "refusal": None} if "logprobs" in doc else None,
+                         "finish_reason": doc["finish_reason"]}],
             "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["generated_tokens"],
                       "total_tokens": usage["prompt_tokens"] + usage["generated_tokens"]}}
     return {"id": f"batch_req_{record['id']}", "custom_id": record.get("custom_id", ""),

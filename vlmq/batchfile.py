@@ -15,8 +15,11 @@ path (relative paths are read from the batch file's folder). Nothing is fetched 
 may come from someone else, so local paths and ``file://`` URLs must lead (symlinks resolved) into the batch
 file's folder unless the caller passes ``allow_outside_paths``; only regular files are read (``vlmq.images``).
 ``temperature`` (0 to 2) and ``seed`` are applied as ``Client.submit`` applies them; unlike OpenAI, a body without
-``temperature`` is decoded greedily (temperature 0). The other sampling parameters (``top_p``, penalties,
-``stop``, ``logprobs``, ...) are accepted and not applied (``IGNORED_BODY_FIELDS``).
+``temperature`` is decoded greedily (temperature 0). The other decoding fields (``stop``, ``top_p``, penalties,
+``logit_bias``, ``logprobs``, ``top_logprobs`` and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``stop_token_ids``) are applied as ``vlmq.decoding`` checks them. OpenAI's account fields
+(``user``, ``metadata``, ``store``, ``service_tier``: no bearing on the answer) are accepted and have no effect
+(``IGNORED_BODY_FIELDS``); every other field is refused by name.
 Parsing here reads nothing but the file itself (local paths are resolved, not opened); ``Client.submit_batch``
 then loads and prices each distinct image once.
 """
@@ -25,23 +28,24 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vlmq import rules
 from vlmq.chat import parse_messages, with_urls
+from vlmq.decoding import FIELDS as DECODING_FIELDS
+from vlmq.decoding import check_decoding
 from vlmq.errors import InvalidRequest
 from vlmq.images import file_url_path
 
 ENDPOINT = "/v1/chat/completions"
 MAX_CUSTOM_ID_CHARS = 512
 MAX_JSON_DEPTH = 32  # a request needs 7 levels (line, body, messages, message, content, part, image_url)
-# body fields accepted and not applied (vlmq samples by temperature alone, one answer per request)
-IGNORED_BODY_FIELDS = frozenset({"top_p", "user", "metadata", "store", "service_tier", "frequency_penalty",
-                                 "presence_penalty", "stop", "logprobs", "top_logprobs"})
+# OpenAI account fields, with no bearing on the answer: accepted, no effect
+IGNORED_BODY_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 _BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "temperature",
-                          "seed"})
+                          "seed"}) | DECODING_FIELDS
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included
 _BRACKET = re.compile(r"[\[\]{}]")
@@ -61,6 +65,7 @@ class BatchLine:
         max_new_tokens: ``max_completion_tokens`` or ``max_tokens`` (None: the client's default).
         temperature: ``temperature`` (absent or null: 0, greedy).
         seed: ``seed`` (absent or null: None).
+        decoding: the body's decoding controls as it names them, checked (``vlmq.decoding``; empty: none).
     """
 
     line: int
@@ -70,6 +75,7 @@ class BatchLine:
     max_new_tokens: int | None
     temperature: float = 0.0
     seed: int | None = None
+    decoding: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +161,9 @@ def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Pat
     seed = body.get("seed")
     rules.check_temperature(temperature)
     rules.check_seed(seed)
-    return BatchLine(number, custom_id, body["model"], messages, limit, temperature, seed)
+    decoding = {k: body[k] for k in DECODING_FIELDS & body.keys()}  # as OpenAI names them: JobRequest.decoding
+    check_decoding(decoding, limit)
+    return BatchLine(number, custom_id, body["model"], messages, limit, temperature, seed, decoding)
 
 
 def _image_ref(url: str, base_dir: Path, anywhere: bool) -> str:

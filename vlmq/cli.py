@@ -97,13 +97,27 @@ def _submit(args: argparse.Namespace) -> int:
         job = client.submit(args.image, args.prompt, messages=messages, model=args.model,
                             max_new_tokens=args.max_new_tokens,
                             priority=args.priority, idempotency_key=args.idempotency_key, webhook=args.webhook,
-                            temperature=args.temperature, seed=args.seed)
+                            temperature=args.temperature, seed=args.seed, decoding=_decoding(args))
         if not args.wait:
             emit({"id": job.id}, args.json, [job.id])
             return 0
         result = job.result(timeout=args.timeout)
         emit(result.raw, args.json, result_lines(result.raw))
     return 0
+
+
+def _decoding(args: argparse.Namespace) -> dict[str, Any]:
+    """--decoding's JSON object, with each --stop added to its stop strings."""
+    try:
+        decoding = json.loads(args.decoding) if args.decoding else {}
+    except ValueError as e:
+        raise InvalidRequest(f"--decoding is not JSON: {e}", code="bad_decoding") from None
+    if not isinstance(decoding, dict):
+        raise InvalidRequest("--decoding must be a JSON object", code="bad_decoding")
+    if args.stop:
+        given = decoding.get("stop") or []
+        decoding["stop"] = ([given] if isinstance(given, str) else list(given)) + args.stop
+    return decoding
 
 
 def _messages(source: str) -> Any:
@@ -236,6 +250,9 @@ def _add_jobs(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
     p.add_argument("--idempotency-key")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; up to 2 samples")
     p.add_argument("--seed", type=int, help="with --temperature: the same seed gives the same answer")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (up to 4): the answer ends before it")
+    p.add_argument("--decoding", metavar="JSON", help='more decoding controls, e.g. \'{"top_p": 0.9, "logprobs": '
+                   'true, "top_logprobs": 3}\' (vlmq.decoding)')
     p.add_argument("--webhook", help="http(s) URL told when the job ends (default VLMQ_WEBHOOK_URL)")
     p.add_argument("--wait", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0)

@@ -20,6 +20,7 @@ from vlmq import batch as batches
 from vlmq.batchfile import BatchLine, LineError, parse_line, read_lines
 from vlmq.chat import parse_messages, single_turn
 from vlmq.cost import estimate_job
+from vlmq.decoding import check_decoding
 from vlmq.errors import BackendError, InvalidRequest, QueueFull
 from vlmq.images import ImageLimits, ImageSource, is_storage_url, load_source, probe
 from vlmq.jobs import Job, new_job_id
@@ -102,7 +103,8 @@ class Client:
                messages: Sequence[Mapping[str, Any]] | None = None, model: str = DEFAULT_MODEL,
                max_new_tokens: int = 128, priority: int = DEFAULT_PRIORITY, idempotency_key: str | None = None,
                wait_for_room: float = 0.0, ignore_eos: bool = False, webhook: str | None = None,
-               temperature: float = 0.0, seed: int | None = None) -> Job:
+               temperature: float = 0.0, seed: int | None = None,
+               decoding: Mapping[str, Any] | None = None) -> Job:
         """Validate, price and enqueue one job: a chat (``messages``), or one image and a prompt.
 
         Args:
@@ -115,6 +117,8 @@ class Client:
                 Each image is priced, and the job classed, by the images' vision tokens together.
             model, max_new_tokens, priority, idempotency_key, ignore_eos, temperature, seed: as the fields of
                 :class:`vlmq.request.JobRequest` (``temperature`` 0 is greedy; a ``seed`` makes sampling repeatable).
+            decoding: stop strings, top_p, penalties, logit_bias, logprobs and the rest (``vlmq.decoding``);
+                every control given is applied or the request is refused naming it.
             webhook: http(s) URL that receives the job's signed final event (None: the client's default,
                 ``""``: none). Internal addresses are refused (``bad_webhook``) unless in ``VLMQ_WEBHOOK_ALLOW``.
             wait_for_room: when the class queue is full, wait up to this many seconds for room.
@@ -129,7 +133,7 @@ class Client:
         """
         request = JobRequest(image, prompt, model=model, max_new_tokens=max_new_tokens, priority=priority,
                              idempotency_key=idempotency_key, ignore_eos=ignore_eos, webhook=webhook,
-                             temperature=temperature, seed=seed, messages=messages)
+                             temperature=temperature, seed=seed, messages=messages, decoding=decoding)
         return self._submit([self._prepare(request)], wait_for_room)[0]
 
     def submit_many(self, requests: Iterable[JobRequest | Mapping[str, Any]], *,
@@ -248,7 +252,7 @@ class Client:
                 seen.add(line.custom_id)
                 request = JobRequest(messages=line.messages, model=line.model, priority=priority,
                                      max_new_tokens=line.max_new_tokens or max_new_tokens, webhook="",
-                                     temperature=line.temperature, seed=line.seed)
+                                     temperature=line.temperature, seed=line.seed, decoding=line.decoding)
                 prepared.append(self._prepare(request, loaded))
                 lines.append(line)
             except InvalidRequest as e:
@@ -315,6 +319,7 @@ class Client:
     def _prepare(self, request: JobRequest, loaded: dict[str, Input] | None = None) -> Prepared:
         """Check, load and price one request; ``loaded`` keeps images already read, by their reference."""
         spec = self._check_params(request)
+        check_decoding(request.decoding, request.max_new_tokens)
         webhook = self.settings.webhook_url if request.webhook is None else request.webhook
         if webhook:
             check_webhook(webhook, self.settings.webhook_allow)

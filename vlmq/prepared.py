@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 from vlmq import keys
 from vlmq.chat import Chat
 from vlmq.cost import JobCost
+from vlmq.decoding import check_decoding
+from vlmq.decoding import to_json as decoding_json
 from vlmq.images import ImageInfo
 from vlmq.models import ModelSpec
 from vlmq.request import JobRequest, fingerprint
@@ -62,6 +64,9 @@ class Prepared:
             # sampling: absent (records written before it) or 0 means greedy; "" is no seed
             "temperature": repr(float(request.temperature)), "seed": "" if request.seed is None else request.seed,
         }
+        controls = check_decoding(request.decoding, request.max_new_tokens)
+        if controls:  # absent: none (records written before them read the same)
+            fields["decoding"] = decoding_json(controls)
         input_keys = [keys.input_object(i.sha256, tenant) for i in self.inputs]
         if self.chat is None:  # the shortcut keeps the record it always had: workers of any version serve it
             info = self.inputs[0].info

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vlmq.decoding import check_decoding
 from vlmq.errors import InvalidRequest
 from vlmq.images import ImageSource
 from vlmq.queue import DEFAULT_PRIORITY
@@ -42,6 +43,9 @@ class JobRequest:
         temperature: 0 (the default) is greedy; above 0 (at most 2) tokens are sampled at this temperature.
         seed: with a temperature above 0, the same seed gives the same answer (on one model and worker device,
             whatever the job is batched with); None draws fresh randomness. Ignored when greedy.
+        decoding: more decoding controls in OpenAI's names (``stop``, ``top_p``, ``frequency_penalty``,
+            ``presence_penalty``, ``logit_bias``, ``logprobs``, ``top_logprobs``) and vLLM's (``stop_token_ids``,
+            ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``); see ``vlmq.decoding``.
     """
 
     image: ImageSource | None = None
@@ -55,6 +59,7 @@ class JobRequest:
     temperature: float = 0.0
     seed: int | None = None
     messages: Sequence[Mapping[str, Any]] | None = None
+    decoding: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.messages is not None and (self.image is not None or self.prompt is not None):
@@ -95,4 +100,7 @@ def fingerprint(request: JobRequest, model: str, image_sha256: Sequence[str], me
         content |= {"images": list(image_sha256), "messages": messages}
     if request.temperature or request.seed is not None:  # greedy requests keep the digests they had before sampling
         content["sampling"] = [float(request.temperature), request.seed]
+    controls = check_decoding(request.decoding, request.max_new_tokens)
+    if controls:  # requests without controls keep the digests they had before them
+        content["decoding"] = controls
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

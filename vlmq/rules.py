@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Mapping
 
-from vlmq import keys
+from vlmq import decoding, keys
 from vlmq.chat import from_record
 from vlmq.errors import InvalidRequest
 from vlmq.text import check_utf8 as check_utf8  # re-exported: callers know it as rules.check_utf8
@@ -131,6 +131,7 @@ def check_record(record: Mapping[str, str], job_id: str, *, max_prompt_chars: in
         check_input_key(job_id, key)
     if record.get("ignore_eos", "0") not in ("0", "1"):
         raise InvalidRequest("job record ignore_eos must be 0 or 1", code="bad_record")
+    decoding.from_record(record)
 
 
 def input_keys(record: Mapping[str, str], *, max_images: int = 16,

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 import redis as redis_lib
 
-from vlmq import keys, rules, store, webhooks
+from vlmq import decoding, keys, rules, store, webhooks
+from vlmq.decoding import engine_controls
 from vlmq.errors import BackendError, InvalidRequest, JobFailed
 from vlmq.images import ImageLimits
 from vlmq.jobs import JobStatus, now
@@ -121,7 +122,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
                          temperature=temperature, seed=seed if temperature > 0 else None,
                          max_text_tokens=ctx.settings.text_token_bound,
                          canceled=lambda: bool(ctx.redis.exists(keys.canceled(job_id))),
-                         cache_salt=cache_salt(job_id, ctx.settings))
+                         cache_salt=cache_salt(job_id, ctx.settings),
+                         controls=engine_controls(decoding.from_record(record)))  # checked with the record
     try:
         output = ctx.batcher.submit(request).result()
     except HandBack:
@@ -170,6 +172,8 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
         "usage": {"prompt_tokens": out.prompt_tokens, "image_tokens": out.image_tokens,
                   "generated_tokens": len(out.token_ids)},
         "sampling": sampling,  # what was applied: temperature 0 is greedy (and its seed None)
+        **({"decoding": decoding.from_record(record)} if record.get("decoding") else {}),
+        **({"logprobs": out.logprobs} if out.logprobs is not None else {}),
         "timings": timings, "worker": ctx.name, "finished_at": now(),
     }
     key = keys.result_object(job_id)

@@ -41,6 +41,9 @@ class GenOutput:
     prompt_tokens: int
     image_tokens: int
     first_token_s: float | None = None  # seconds from start() to the first generated token, where the backend knows
+    # where the request asked (controls "logprobs"): one per token, in OpenAI's shape ({"token", "logprob",
+    # "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]})
+    logprobs: list[dict[str, Any]] | None = None
 
 
 class Backend(ABC):

@@ -12,6 +12,7 @@ from vlmq.workers.backends.base import GenOutput, GenRequest, StreamingBackend, 
 from vlmq.workers.engine.config import EngineConfig
 from vlmq.workers.engine.engine import Engine, Request, RequestOutput
 from vlmq.workers.engine.errors import RequestRejected
+from vlmq.workers.engine.sequence import TokenLogprob
 from vlmq.workers.kvstore.store import KVStore, empty_stats
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ class EngineBackend(StreamingBackend):
                           len(live))
             self._reset()
             return [(handle, self._one(request)) for handle, request in live.items()]
-        done = [(o.request_id, _gen_output(o)) for o in outputs if self._live.pop(o.request_id, None) is not None]
+        tokenizer = self.engine.tokenizer
+        done = [(o.request_id, _gen_output(o, tokenizer)) for o in outputs
+                if self._live.pop(o.request_id, None) is not None]
         self._aborted.difference_update(h for h, _ in done)
         if done and self.kv_store is not None:
             self._log_tiers()
@@ -94,7 +97,7 @@ class EngineBackend(StreamingBackend):
     def _one(self, request: GenRequest) -> GenOutput | Exception:
         try:
             out = self.engine.generate([engine_request(request)])[0]
-            return _gen_output(out)
+            return _gen_output(out, self.engine.tokenizer)
         except Exception as e:  # returned in its slot; the worker fails this job alone
             log.exception("job %s failed alone on the engine", request.job_id)
             self._reset()
@@ -137,13 +140,26 @@ def engine_request(request: GenRequest) -> Request:
     return Request(request.image, request.prompt, **options)
 
 
-def _gen_output(out: RequestOutput) -> GenOutput | Exception:
+def _gen_output(out: RequestOutput, tokenizer) -> GenOutput | Exception:
     if isinstance(out.error, RequestRejected):  # the worker boundary: the engine's reason becomes the SDK's code
         return InvalidRequest(str(out.error), code=out.error.code)
     if out.error is not None:
         return out.error
     first = None if out.first_token_time is None else out.first_token_time - out.arrival_time
-    return GenOutput(out.text, out.token_ids, out.finish_reason, out.prompt_tokens, out.image_tokens, first)
+    logprobs = None if out.logprobs is None else openai_logprobs(out.token_ids, out.logprobs, tokenizer)
+    return GenOutput(out.text, out.token_ids, out.finish_reason, out.prompt_tokens, out.image_tokens, first,
+                     logprobs)
+
+
+def openai_logprobs(token_ids: list[int], entries: list[TokenLogprob], tokenizer) -> list[dict[str, Any]]:
+    """The engine's logprobs in OpenAI's ``choices[].logprobs.content`` shape: each token's text (as it decodes
+    alone), logprob, UTF-8 bytes, and its top alternatives."""
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    return [token(t, e.logprob) | {"top_logprobs": [token(a, lp) for a, lp in e.top]}
+            for t, e in zip(token_ids, entries, strict=True)]
 
 
 def num_blocks_for_tokens(kv_tokens: int, engine_config: dict[str, Any]) -> int:

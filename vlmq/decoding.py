@@ -1,0 +1,156 @@
+"""Decoding controls a job may set beyond temperature and seed, in OpenAI's Chat Completions names, checked once at
+submit and again by the worker (the same function), and carried in the record as JSON in the engine's names.
+
+    decoding = check_decoding({"stop": ["\\n\\n"], "top_p": 0.9, "logprobs": True, "top_logprobs": 3})
+    # -> {"stop": ["\\n\\n"], "top_p": 0.9, "logprobs": 3}
+
+Every field here is applied by the engine (``workers/engine/logits.py``, ``stopping.py``); any other name is refused
+(``unknown_field``). ``stop_token_ids``, ``top_k``, ``min_p``, ``repetition_penalty`` and ``min_tokens`` are vLLM's
+extras with vLLM's meanings.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from vlmq.errors import InvalidRequest
+
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # the engine's workers/engine/stopping.py bounds
+MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS = 16, 300, 20
+
+_RANGES = {"top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True), "repetition_penalty": (0.0, 10.0, False),
+           "frequency_penalty": (-2.0, 2.0, True), "presence_penalty": (-2.0, 2.0, True)}
+_DEFAULTS = {"stop": [], "stop_token_ids": [], "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+             "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": [], "min_tokens": 0}
+FIELDS = frozenset({"stop", "stop_token_ids", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                    "presence_penalty", "logit_bias", "min_tokens", "logprobs", "top_logprobs"})
+
+
+def check_decoding(fields: Mapping[str, Any] | None, max_new_tokens: int | None = None) -> dict[str, Any]:
+    """The controls in the engine's names, defaults left out ({} for none); ``None`` values count as absent.
+
+    Raises:
+        InvalidRequest: ``unknown_field`` for a name not in :data:`FIELDS`; ``bad_stop``, ``bad_sampling`` or
+            ``bad_logprobs`` naming the field and its rule.
+    """
+    given = {k: v for k, v in (fields or {}).items() if v is not None}
+    unknown = sorted(set(given) - FIELDS)
+    if unknown:
+        raise InvalidRequest(f"unknown decoding field(s) {', '.join(map(str, unknown))}; vlmq applies "
+                             f"{', '.join(sorted(FIELDS))}", code="unknown_field")
+    out: dict[str, Any] = {}
+    if "stop" in given:
+        out["stop"] = _stop(given["stop"])
+    if "stop_token_ids" in given:
+        ids = given["stop_token_ids"]
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t) and t >= 0 for t in ids):
+            raise InvalidRequest(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+                                 code="bad_stop")
+        out["stop_token_ids"] = list(ids)
+    for name, (low, high, closed) in _RANGES.items():
+        if name in given:
+            value = given[name]
+            if not _is_number(value) or not (low <= value if closed else low < value) or value > high:
+                raise InvalidRequest(f"{name} must be a number in {'[' if closed else '('}{low:g}, {high:g}], got "
+                                     f"{value!r}", code="bad_sampling")
+            out[name] = float(value)
+    if "top_k" in given:
+        if not _is_int(given["top_k"]) or given["top_k"] < -1:
+            raise InvalidRequest(f"top_k must be an integer, -1 or 0 for all, got {given['top_k']!r}",
+                                 code="bad_sampling")
+        out["top_k"] = max(0, given["top_k"])
+    if "min_tokens" in given:
+        value = given["min_tokens"]
+        if not _is_int(value) or value < 0 or (max_new_tokens is not None and value > max_new_tokens):
+            raise InvalidRequest(f"min_tokens must be an integer from 0 to max_tokens, got {value!r}",
+                                 code="bad_sampling")
+        out["min_tokens"] = value
+    if "logit_bias" in given:
+        out["logit_bias"] = _logit_bias(given["logit_bias"])
+    out |= _logprobs(given)
+    return {k: v for k, v in out.items() if k not in _DEFAULTS or v != _DEFAULTS[k]}  # what changes nothing: left out
+
+
+def to_json(decoding: Mapping[str, Any]) -> str:
+    return json.dumps(decoding, sort_keys=True, separators=(",", ":"))
+
+
+def from_record(record: Mapping[str, str]) -> dict[str, Any]:
+    """A record's ``decoding`` field (absent: none), checked as at submit.
+
+    Raises:
+        InvalidRequest: ``bad_record`` for text that is not a JSON object; the codes of :func:`check_decoding`.
+    """
+    text = record.get("decoding") or "{}"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequest("job record decoding is not a JSON object", code="bad_record")
+    # the record holds the engine's forms: logprobs the number of alternatives, logit_bias (token, bias) pairs
+    logprobs = value.pop("logprobs", None)
+    pairs = value.get("logit_bias")
+    if isinstance(pairs, list):
+        if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+            raise InvalidRequest("job record decoding.logit_bias is not a list of (token, bias) pairs",
+                                 code="bad_record")
+        value["logit_bias"] = {str(t): b for t, b in pairs}
+    checked = check_decoding(value)
+    if logprobs is not None:
+        checked |= _logprobs({"logprobs": True, "top_logprobs": logprobs})
+    return checked
+
+
+def engine_controls(decoding: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine Request's keyword arguments for checked controls (tuples where the engine keeps tuples)."""
+    out = dict(decoding)
+    for name in ("stop", "stop_token_ids"):
+        if name in out:
+            out[name] = tuple(out[name])
+    if "logit_bias" in out:
+        out["logit_bias"] = tuple((int(t), float(b)) for t, b in out["logit_bias"])
+    return out
+
+
+def _stop(value: object) -> list[str]:
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise InvalidRequest(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters", code="bad_stop")
+    return list(stop)
+
+
+def _logit_bias(value: object) -> list[list[float]]:
+    # OpenAI's map from token id (a JSON object's keys are strings) to a bias from -100 to 100
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids", code="bad_sampling")
+    out = []
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() and len(key) < 10 else key
+        if not _is_int(token) or token < 0 or not _is_number(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest(f"logit_bias maps token ids to numbers from -100 to 100, got {key!r}: {bias!r}",
+                                 code="bad_sampling")
+        out.append([token, float(bias)])
+    return sorted(out)
+
+
+def _logprobs(given: Mapping[str, Any]) -> dict[str, int]:
+    wanted, top = given.get("logprobs", False), given.get("top_logprobs")
+    if not isinstance(wanted, bool):
+        raise InvalidRequest(f"logprobs must be true or false, got {wanted!r}", code="bad_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS or not wanted):
+        raise InvalidRequest(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, with logprobs true",
+                             code="bad_logprobs")
+    return {"logprobs": top or 0} if wanted else {}
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _is_number(value: object) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
