@@ -8,6 +8,7 @@ computes the prompt's positions (which checks the image tokens against the image
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from vlmq.workers.models.processor import ChatPrompt, single_turn
 
 from .encoder_cache import make_key
 from .errors import RequestRejected
+from .grammar import GrammarError, Grammars, GrammarState
 from .preprocess import ImagePreprocessor
 from .sequence import FinishReason, ImagePlaceholder, SamplingParams, Sequence, TokenLogprob
 from .stopping import StopMatcher, check_stop
@@ -54,6 +56,7 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_tokens: int = 0
     logprobs: int | None = None  # each token's logprob and this many alternatives (None: none)
+    response_format: dict | None = None  # structured output (grammar.py: json_object, json_schema, regex, ...)
 
     @classmethod
     def chat(cls, messages: list[dict], images: tuple[Any, ...] = (), **options: Any) -> Request:
@@ -93,6 +96,8 @@ class Preprocessor:
         self.chat, self.image_preprocessor, self.model = ChatPrompt(processor), image_preprocessor, model
         self.image_token_id, self.eos_token_ids = model.config.image_token_id, eos_token_ids
         self.model_id, self.share = model_id, share_encoder_outputs
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self.settings = {"policy": asdict(image_preprocessor.policy), "image_mean": image_preprocessor.image_mean,
                          "image_std": image_preprocessor.image_std, "rescale": image_preprocessor.rescale_factor}
 
@@ -120,7 +125,7 @@ class Preprocessor:
                                               at, num_tokens, num_patches)
                              for image, at, (num_patches, num_tokens) in zip(images, offsets, counts, strict=True))
         seq = Sequence(request_id, ids, images=placeholders, sampling=sampling, priority=req.priority,
-                       cache_salt=req.cache_salt or "", stopper=stopper)
+                       cache_salt=req.cache_salt or "", stopper=stopper, grammar=self._grammar(req))
         return Prepared(seq, pixel_values, grid_thw, positions, delta)
 
     def sampling(self, req: Request) -> tuple[SamplingParams, StopMatcher | None]:
@@ -142,6 +147,19 @@ class Preprocessor:
                                   tuple(req.logit_bias), req.min_tokens, req.logprobs), stopper
         except (TypeError, ValueError) as e:
             raise RequestRejected(str(e), "bad_sampling") from e
+
+    def _grammar(self, req: Request) -> GrammarState | None:
+        if req.response_format is None:
+            return None
+        if self._grammars is None:
+            with self._grammars_lock:  # one compiler per engine, made on first use
+                if self._grammars is None:
+                    self._grammars = Grammars(self.chat.tokenizer, self.model.config.text_config.vocab_size,
+                                              self.eos_token_ids)
+        try:
+            return self._grammars.state(req.response_format)
+        except GrammarError as e:
+            raise RequestRejected(str(e), "bad_response_format") from e
 
     def _decode(self, ids: list[int]) -> str:
         return self.chat.tokenizer.decode(ids, skip_special_tokens=True)  # as the engine decodes the answer

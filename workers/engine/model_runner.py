@@ -27,6 +27,7 @@ from vlmq.workers.layers.attention import AttentionMetadata
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .encoder_cache import EncoderCache
+from .grammar import apply_grammars
 from .logits import needs_processing, process
 from .outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .sequence import SeqId, Sequence, TokenLogprob
@@ -93,6 +94,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()  # [R, vocab]
         starts = list(accumulate((1 + s.num_spec_tokens for s, _ in sampled), initial=0))
         raw = _raw_logprobs(logits, sampled, starts)  # before any sampling control
+        grammar_rows = _grammar_rows(sampled, starts)
+        if grammar_rows:  # first: the other controls choose among the tokens the response format allows
+            apply_grammars(logits, grammar_rows)
         logits = process(logits, _processed_rows(sampled, starts))
         result, draft_probs = RunnerOutput(), draft_probs or {}
         # every greedy row's pick in one call (one device sync per step, not one per sequence)
@@ -275,4 +279,15 @@ def _raw_logprobs(logits: torch.Tensor, sampled: list[tuple[ScheduledSeq, int]],
     wanted = [(s, start) for (s, _), start in zip(sampled, starts, strict=False)
               if s.seq.sampling.logprobs is not None]
     return _RawLogprobs(logits, wanted) if wanted else None
+
+
+def _grammar_rows(sampled: list[tuple[ScheduledSeq, int]], starts: list[int]) -> list:
+    # grammar.apply_grammars rows: each of a sequence's 1 + k rows after the proposals before it
+    rows = []
+    for (s, _), start in zip(sampled, starts, strict=False):
+        if s.seq.grammar is not None:
+            k = s.num_spec_tokens
+            proposal = s.token_ids[len(s.token_ids) - k:] if k else []
+            rows += [(start + j, s.seq.grammar, proposal[:j]) for j in range(k + 1)]
+    return rows
 

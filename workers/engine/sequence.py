@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .stopping import StopMatcher
+
+if TYPE_CHECKING:
+    from .grammar import GrammarState
 
 SeqId = int | str
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
@@ -106,11 +109,11 @@ class SamplingParams:
 class Sequence:
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "images", "sampling", "priority",
                  "arrival_step", "status", "num_computed_tokens", "num_cached_tokens", "block_table",
-                 "block_hashes", "spec_token_ids", "cache_salt", "stopper", "logprobs")
+                 "block_hashes", "spec_token_ids", "cache_salt", "stopper", "logprobs", "grammar")
 
     def __init__(self, seq_id: SeqId, token_ids: list[int], *, images: tuple[ImagePlaceholder, ...] = (),
                  sampling: SamplingParams | None = None, priority: int = 0, cache_salt: str = "",
-                 stopper: StopMatcher | None = None) -> None:
+                 stopper: StopMatcher | None = None, grammar: GrammarState | None = None) -> None:
         if not token_ids:
             raise ValueError(f"sequence {seq_id!r} has an empty prompt")
         images = tuple(sorted(images, key=lambda im: im.offset))
@@ -138,6 +141,7 @@ class Sequence:
         self.stopper = stopper  # the request's stop strings, fed each completion token (None: it has none)
         # one per completion token where the request asked for logprobs (None: it did not)
         self.logprobs: list[TokenLogprob] | None = None if self.sampling.logprobs is None else []
+        self.grammar = grammar  # the response format's matcher (grammar.py), fed each completion token
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
@@ -166,7 +170,9 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        if token_id in self.sampling.eos_token_ids:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # the step's mask allowed it
+        if token_id in self.sampling.eos_token_ids or (self.grammar is not None and self.grammar.done):
             self.status = SequenceStatus.FINISHED_STOPPED
         elif self.stopper is not None and self.stopper.feed(token_id):
             self.status = SequenceStatus.FINISHED_STOPPED
