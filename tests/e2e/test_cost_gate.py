@@ -34,7 +34,8 @@ def test_worker_reserves_only_within_its_budget(redis_url: str, s3_server, tmp_p
     settings = Settings(broker_url=redis_url, storage_url="s3://vlmq-test/e2e-gate", s3_endpoint_url=s3_server.url,
                         cost_classes=TINY_CLASSES, text_token_bound=128, worker_budget=384)
     with Client(settings=settings) as client:
-        big = client.submit(png(1000, 1000, 1), "Describe the image.")
+        # max_new_tokens 32 as the small ones: the default 128 would pass the 128-token text bound, refused at submit
+        big = client.submit(png(1000, 1000, 1), "Describe the image.", max_new_tokens=32)
         small = [client.submit(png(200, 150, i), "Describe the image.", max_new_tokens=32) for i in range(12)]
         held: list[int] = []
         done = threading.Event()
