@@ -15,9 +15,10 @@ DEPS=$("$VENV/bin/python" - <<'PY'
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 skip = ("triton", "kubernetes-validate", "flower", "kernels")  # tests/sdk needs none of these
+worker_skip = ("torch", "xgrammar")  # xgrammar needs torch: the worker side, not the SDK's
 extras = project["optional-dependencies"]
 test = [d for d in extras["test"] if not d.startswith(skip)]
-worker = [d for d in extras["worker"] if not d.startswith("torch")]
+worker = [d for d in extras["worker"] if not d.startswith(worker_skip)]
 print("\n".join(project["dependencies"] + test + worker))
 PY
 )

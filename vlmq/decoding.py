@@ -25,7 +25,11 @@ _RANGES = {"top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True), "repetition_pe
 _DEFAULTS = {"stop": [], "stop_token_ids": [], "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
              "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": [], "min_tokens": 0}
 FIELDS = frozenset({"stop", "stop_token_ids", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-                    "presence_penalty", "logit_bias", "min_tokens", "logprobs", "top_logprobs"})
+                    "presence_penalty", "logit_bias", "min_tokens", "logprobs", "top_logprobs", "response_format"})
+MAX_FORMAT_CHARS, MAX_CHOICES = 65536, 256
+# response_format types and the one field each carries (OpenAI's json_object and json_schema; vlmq's others)
+_FORMATS = {"json_object": None, "json_schema": "json_schema", "regex": "regex", "choice": "choice",
+            "grammar": "grammar"}
 
 
 def check_decoding(fields: Mapping[str, Any] | None, max_new_tokens: int | None = None) -> dict[str, Any]:
@@ -41,35 +45,21 @@ def check_decoding(fields: Mapping[str, Any] | None, max_new_tokens: int | None 
         raise InvalidRequest(f"unknown decoding field(s) {', '.join(map(str, unknown))}; vlmq applies "
                              f"{', '.join(sorted(FIELDS))}", code="unknown_field")
     out: dict[str, Any] = {}
-    if "stop" in given:
-        out["stop"] = _stop(given["stop"])
-    if "stop_token_ids" in given:
-        ids = given["stop_token_ids"]
-        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t) and t >= 0 for t in ids):
-            raise InvalidRequest(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
-                                 code="bad_stop")
-        out["stop_token_ids"] = list(ids)
+    for name, check in _CHECKS.items():
+        if name in given:
+            out[name] = check(given[name])
     for name, (low, high, closed) in _RANGES.items():
         if name in given:
-            value = given[name]
-            if not _is_number(value) or not (low <= value if closed else low < value) or value > high:
-                raise InvalidRequest(f"{name} must be a number in {'[' if closed else '('}{low:g}, {high:g}], got "
-                                     f"{value!r}", code="bad_sampling")
-            out[name] = float(value)
-    if "top_k" in given:
-        if not _is_int(given["top_k"]) or given["top_k"] < -1:
-            raise InvalidRequest(f"top_k must be an integer, -1 or 0 for all, got {given['top_k']!r}",
-                                 code="bad_sampling")
-        out["top_k"] = max(0, given["top_k"])
+            out[name] = _in_range(name, given[name], low, high, closed)
     if "min_tokens" in given:
         value = given["min_tokens"]
         if not _is_int(value) or value < 0 or (max_new_tokens is not None and value > max_new_tokens):
             raise InvalidRequest(f"min_tokens must be an integer from 0 to max_tokens, got {value!r}",
                                  code="bad_sampling")
         out["min_tokens"] = value
-    if "logit_bias" in given:
-        out["logit_bias"] = _logit_bias(given["logit_bias"])
     out |= _logprobs(given)
+    if out.get("response_format", 0) is None:  # type text: none
+        del out["response_format"]
     return {k: v for k, v in out.items() if k not in _DEFAULTS or v != _DEFAULTS[k]}  # what changes nothing: left out
 
 
@@ -115,6 +105,26 @@ def engine_controls(decoding: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _stop_token_ids(ids: object) -> list[int]:
+    if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t) and t >= 0 for t in ids):
+        raise InvalidRequest(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+                             code="bad_stop")
+    return list(ids)
+
+
+def _top_k(value: object) -> int:
+    if not _is_int(value) or value < -1:
+        raise InvalidRequest(f"top_k must be an integer, -1 or 0 for all, got {value!r}", code="bad_sampling")
+    return max(0, value)
+
+
+def _in_range(name: str, value: object, low: float, high: float, closed: bool) -> float:
+    if not _is_number(value) or not (low <= value if closed else low < value) or value > high:
+        raise InvalidRequest(f"{name} must be a number in {'[' if closed else '('}{low:g}, {high:g}], got {value!r}",
+                             code="bad_sampling")
+    return float(value)
+
+
 def _stop(value: object) -> list[str]:
     stop = [value] if isinstance(value, str) else value
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
@@ -148,9 +158,58 @@ def _logprobs(given: Mapping[str, Any]) -> dict[str, int]:
     return {"logprobs": top or 0} if wanted else {}
 
 
+def _response_format(value: object) -> dict[str, Any] | None:
+    """OpenAI's response_format (``text``: none), its shape checked; the worker's grammar engine compiles it and
+    fails the job alone (``bad_response_format``) where it cannot."""
+    if not isinstance(value, dict) or value.get("type") not in (*_FORMATS, "text"):
+        raise InvalidRequest(f"response_format.type must be one of text, {', '.join(_FORMATS)}",
+                             code="bad_response_format")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    field = _FORMATS[kind]
+    extra = sorted(set(value) - {"type", *([field] if field else [])})
+    if extra or (field and field not in value):
+        raise InvalidRequest(f"response_format of type {kind} takes {field or 'no other field'}"
+                             f"{'; not ' + ', '.join(extra) if extra else ''}", code="bad_response_format")
+    if len(json.dumps(value)) > MAX_FORMAT_CHARS:
+        raise InvalidRequest(f"response_format is over {MAX_FORMAT_CHARS} characters", code="bad_response_format")
+    if kind == "json_schema":
+        _json_schema(value["json_schema"])
+    elif kind == "choice" and not (isinstance(value["choice"], list) and 0 < len(value["choice"]) <= MAX_CHOICES
+                                   and all(isinstance(c, str) and c for c in value["choice"])):
+        raise InvalidRequest(f"response_format.choice must be a list of 1 to {MAX_CHOICES} non-empty strings",
+                             code="bad_response_format")
+    elif kind in ("regex", "grammar") and not (isinstance(value[field], str) and value[field]):
+        raise InvalidRequest(f"response_format.{field} must be a non-empty string", code="bad_response_format")
+    return dict(value)
+
+
+def _json_schema(spec: object) -> None:
+    import jsonschema  # the check only: the worker enforces it
+
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
+                             code="bad_response_format")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise InvalidRequest(f"response_format.json_schema takes name, schema, strict and description; not "
+                             f"{', '.join(extra)}", code="bad_response_format")
+    try:
+        jsonschema.Draft202012Validator.check_schema(spec["schema"])
+    except jsonschema.SchemaError as e:
+        raise InvalidRequest(f"response_format.json_schema.schema is not a valid JSON schema: {e.message}",
+                             code="bad_response_format") from None
+
+
 def _is_int(value: object) -> bool:
     return type(value) is int
 
 
 def _is_number(value: object) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
+
+
+_CHECKS = {"stop": _stop, "stop_token_ids": _stop_token_ids, "top_k": _top_k, "logit_bias": _logit_bias,
+           "response_format": _response_format}
+

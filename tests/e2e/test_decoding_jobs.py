@@ -20,7 +20,9 @@ from vlmq.workers.engine.engine import Engine, Request
 from vlmq.workers.main import ASSETS
 
 pytestmark = pytest.mark.timeout(600)
-MAX_NEW = 16
+MAX_NEW = 32
+SCHEMA = {"type": "object", "properties": {"shape": {"enum": ["circle", "square", "triangle"]}},
+          "required": ["shape"], "additionalProperties": False}
 QUESTION = "Describe the image."
 
 
@@ -33,14 +35,15 @@ def png(image) -> bytes:
 
 
 def test_decoding_controls_reach_the_engine_and_come_back(redis_url: str, tmp_path: Path) -> None:
-    images = [png(example.image) for example in make_split(30, 3)]
+    images = [png(example.image) for example in make_split(30, 4)]
     pil = [decode(data) for data in images]
     engine = Engine.from_model_dir(Path(ASSETS) / "tiny-shapes")
     [free] = engine.generate([Request(pil[0], QUESTION, MAX_NEW, ignore_eos=True)])
     stop = free.text[4:7]  # inside the free answer: the stopped answer is shorter
     controls = [{"stop": [stop], "logprobs": True, "top_logprobs": 2},
                 {"logit_bias": {str(free.token_ids[0]): -100}, "repetition_penalty": 1.3, "top_k": 5},
-                {"frequency_penalty": 1.5, "presence_penalty": 0.5, "min_tokens": 4}]
+                {"frequency_penalty": 1.5, "presence_penalty": 0.5, "min_tokens": 4},
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "shape", "schema": SCHEMA}}}]
     direct = engine.generate([Request(pil[n], QUESTION, MAX_NEW, ignore_eos=n == 0,
                                       **engine_controls(check_decoding(c, MAX_NEW)))
                               for n, c in enumerate(controls)])
@@ -69,6 +72,7 @@ def test_decoding_controls_reach_the_engine_and_come_back(redis_url: str, tmp_pa
         assert (result.token_ids, result.text) == (want.token_ids, want.text)
     assert results[0].finish_reason == "stop" and stop not in results[0].text and len(results[0].token_ids) < MAX_NEW
     assert results[1].token_ids[0] != free.token_ids[0]  # the bias banned the free answer's first token
+    assert json.loads(results[3].text)["shape"] in ("circle", "square", "triangle")  # the schema held
     logprobs = results[0].raw["logprobs"]
     assert [e["logprob"] for e in logprobs] == pytest.approx([e.logprob for e in direct[0].logprobs], abs=1e-6)
     assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 and isinstance(e["token"], str) for e in logprobs)

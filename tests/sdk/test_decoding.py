@@ -13,9 +13,9 @@ EVERY = {"stop": ["\n\n", "END"], "stop_token_ids": [2, 7], "top_p": 0.9, "top_k
 
 
 def test_every_field_is_kept_in_the_engines_form_and_reads_back_from_the_record() -> None:
-    assert set(EVERY) == FIELDS
+    assert set(EVERY) == FIELDS - {"response_format"}
     checked = check_decoding(EVERY, max_new_tokens=64)
-    assert set(checked) == FIELDS - {"top_logprobs"}  # the number of alternatives is logprobs' value
+    assert set(checked) == FIELDS - {"top_logprobs", "response_format"}  # the number of alternatives is logprobs' value
     assert checked["logit_bias"] == [[7, 2.5], [12, -100.0]] and checked["logprobs"] == 4
     assert "top_logprobs" not in checked and checked["stop"] == ["\n\n", "END"]
     assert from_record({"decoding": to_json(checked)}) == checked
@@ -54,3 +54,28 @@ def test_a_record_that_was_tampered_with_is_refused() -> None:
     for text in ("[1]", "{not json", '{"logit_bias": [[1]]}', '{"top_p": 7}'):
         with pytest.raises(InvalidRequest):
             from_record({"decoding": text})
+
+
+SCHEMA = {"type": "object", "properties": {"shape": {"enum": ["circle", "square"]}}, "required": ["shape"]}
+
+
+def test_response_formats_keep_their_shape_and_text_is_none() -> None:
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+                {"type": "regex", "regex": "[a-z]+"}, {"type": "choice", "choice": ["yes", "no"]},
+                {"type": "grammar", "grammar": 'root ::= "a" | "b"'}):
+        checked = check_decoding({"response_format": fmt})
+        assert checked == {"response_format": fmt} and from_record({"decoding": to_json(checked)}) == checked
+    assert check_decoding({"response_format": {"type": "text"}}) == {}
+
+
+@pytest.mark.parametrize(("fmt", "named"), [
+    ({"type": "xml"}, "response_format.type"), ({"type": "json_schema"}, "json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}, "not a valid JSON schema"),
+    ({"type": "json_schema", "json_schema": {"schema": SCHEMA, "format": 1}}, "not format"),
+    ({"type": "json_object", "schema": SCHEMA}, "not schema"), ({"type": "choice", "choice": []}, "choice"),
+    ({"type": "regex", "regex": ""}, "regex"), ("json", "response_format.type"),
+])
+def test_bad_response_formats_are_refused_by_name(fmt, named) -> None:
+    with pytest.raises(InvalidRequest, match=named) as e:
+        check_decoding({"response_format": fmt})
+    assert e.value.code == "bad_response_format"

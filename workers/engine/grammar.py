@@ -58,7 +58,7 @@ class Grammars:
             compiled = self._compile(response_format)
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(f"response_format cannot be compiled: {e}") from None
-        return GrammarState(self.xgr.GrammarMatcher(compiled, max_rollback_tokens=16))
+        return GrammarState(self.xgr.GrammarMatcher(compiled))
 
     def _compile(self, fmt: dict[str, Any]) -> Any:
         kind, compact = fmt.get("type"), {"any_whitespace": False}
