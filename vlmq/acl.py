@@ -79,8 +79,9 @@ def new_password() -> str:
 def tenant_s3_policy(storage_url: str, tenant: str) -> dict[str, Any]:
     """An IAM-style policy for a tenant's object-store credentials (S3 and most S3-compatible stores).
 
-    The tenant may write and read its inputs and read its results, under ``<prefix>/t/<tenant>/`` only.
-    The object store enforces it, not vlmq.
+    The tenant may write and read its inputs, read its results, and write and read its batches' output and
+    error files (``Batch.download``; its own client finalizes a batch when it sees every request ended), under
+    ``<prefix>/t/<tenant>/`` only. The object store enforces it, not vlmq.
     """
     bucket, _, prefix = storage_url.removeprefix("s3://").partition("/")
     head = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
@@ -88,6 +89,7 @@ def tenant_s3_policy(storage_url: str, tenant: str) -> dict[str, Any]:
     return {"Version": "2012-10-17", "Statement": [
         {"Effect": "Allow", "Action": ["s3:PutObject", "s3:GetObject"], "Resource": [f"{own}inputs/*"]},
         {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [f"{own}results/*"]},
+        {"Effect": "Allow", "Action": ["s3:PutObject", "s3:GetObject"], "Resource": [f"{own}batches/*"]},
     ]}
 
 

@@ -260,6 +260,9 @@ class Client:
             numbered = list(read_lines(path))
         except (OSError, ValueError) as e:  # ValueError: not UTF-8, or a NUL or lone surrogate in the path
             raise InvalidRequest(f"cannot read batch file {str(path)!r}: {e}", code="bad_batch_file") from e
+        if len(numbered) > batches.MAX_REQUESTS:  # what one finalization reads at most
+            raise InvalidRequest(f"a batch holds at most {batches.MAX_REQUESTS} requests, this file has "
+                                 f"{len(numbered)}; split it", code="batch_too_large")
         for number, text in numbered:
             try:
                 line = parse_line(number, text, path.resolve().parent, anywhere)
