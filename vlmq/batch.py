@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vlmq import keys, rules
+from vlmq import functions, keys, rules
 from vlmq.errors import InvalidRequest, JobNotFound, JobTimeout
 from vlmq.storage import Storage
-from vlmq.store import JobStatus, JobStore, WireEnum, decode_record, now, transition_args, transition_reply
+from vlmq.store import JobStatus, JobStore, WireEnum, decode_record, now, transition_call, transition_reply
 
 log = logging.getLogger(__name__)
 LOCK_TTL = 300  # seconds a finalizer's lease lasts; a dead finalizer's batch is taken over after it
@@ -138,12 +138,9 @@ def counts(record: dict[str, str]) -> dict[str, int]:
 
 def cancel_jobs(store: JobStore, batch_id: str, record: dict[str, str]) -> int:
     """Cancel every job of a batch that has not ended (one pipeline); returns how many were cancelled."""
-    job_ids = members(store.redis, batch_id, record)
-    pipe = store.redis.pipeline(transaction=False)
-    for job_id in job_ids:
-        pipe.eval(*transition_args(job_id, [JobStatus.QUEUED, JobStatus.STARTED], JobStatus.CANCELED, None,
-                                   store.job_ttl, keys.canceled(job_id)))
-    return sum(transition_reply(r)[0] for r in store.call(pipe.execute))
+    calls = [transition_call(job_id, [JobStatus.QUEUED, JobStatus.STARTED], JobStatus.CANCELED, None, store.job_ttl,
+                             keys.canceled(job_id)) for job_id in members(store.redis, batch_id, record)]
+    return sum(transition_reply(r)[0] for r in store.call(functions.call_many, store.redis, calls))
 
 
 def members(redis: Any, batch_id: str, record: dict[str, str]) -> list[str]:
