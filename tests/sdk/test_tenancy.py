@@ -131,11 +131,10 @@ def test_a_tenant_runs_vlmqs_functions_and_no_code_of_its_own(acl_users: Any, re
 
     parts = urlsplit(redis_url)
     url = urlunsplit(parts._replace(netloc=f"{acl.tenant_user('acme')}:pw@{parts.hostname}:{parts.port}"))
-    functions.load(acl_users)  # what a worker does when it starts
     raw = redis.Redis.from_url(url)
     try:
         # what held the server busy past its BUSY threshold and stopped workers: refused before it runs
-        refused = [lambda: raw.eval("while true do end", 0), lambda: raw.eval("return 1", 0),
+        refused = [lambda: raw.eval("return 1", 0), lambda: raw.eval("while true do end", 0),
                    lambda: raw.script_load("return 1"), lambda: raw.function_flush(),
                    lambda: raw.function_delete(functions.library()[0]),
                    lambda: raw.function_load(functions.library()[1].replace("return cur", "return 'x'"), replace=True)]
@@ -144,6 +143,7 @@ def test_a_tenant_runs_vlmqs_functions_and_no_code_of_its_own(acl_users: Any, re
                 call()
     finally:
         raw.close()
+    functions.load(acl_users)  # what a worker does when it starts
     with Client(url, f"file://{tmp_path}", tenant="acme") as client:  # submit and cancel: vlmq's own functions
         job = client.submit(png(), "What colour?", idempotency_key="k")
         assert job.cancel() and job.status() is JobStatus.CANCELED
