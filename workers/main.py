@@ -28,6 +28,7 @@ from vlmq.worker_args import add_worker_arguments
 
 log = logging.getLogger(__name__)
 ASSETS = Path(__file__).resolve().parent / "assets"
+FUNCTIONS_CHECK_S = 10.0  # seconds between checks that the server still holds the producers' function library
 
 
 def model_dir(spec: ModelSpec) -> str:
@@ -147,13 +148,30 @@ def _run_celery(app: Any, argv: list[str]) -> int:
 
 
 def _load_functions(redis: Any) -> None:
-    """Load the producers' function library (``vlmq.functions``): a tenant may call it, never load it."""
+    """Load the producers' function library (``vlmq.functions``), and load it again whenever it is gone.
+
+    A tenant may call it, never load it, so a server that lost it (restarted without persistence, ``FUNCTION
+    FLUSH``) would refuse every tenant's submit until some worker loads it again.
+    """
+    import threading
+
     from vlmq import functions
 
-    try:
-        functions.load(redis)
-    except redis_lib.RedisError as e:  # Redis not up yet: the first call that finds it missing loads it
-        log.warning("could not load the vlmq function library %s: %s", functions.library()[0], e)
+    def check() -> None:
+        try:
+            if not redis.function_list(library=functions.library()[0]):
+                functions.load(redis)
+                log.info("loaded the vlmq function library %s", functions.library()[0])
+        except redis_lib.RedisError as e:  # Redis down or busy: the next round (or a call that misses it) loads it
+            log.warning("could not load the vlmq function library %s: %s", functions.library()[0], e)
+
+    def keep() -> None:
+        while True:
+            time.sleep(FUNCTIONS_CHECK_S)
+            check()
+
+    check()  # before the worker says it is ready: its tenants can submit from then on
+    threading.Thread(target=keep, name="vlmq-functions", daemon=True).start()
 
 
 @contextlib.contextmanager
