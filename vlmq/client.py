@@ -385,7 +385,7 @@ class Client:
             self._enqueue([(job_ids[i], items[i], extra[i] if extra else {}) for i in fresh])
         except BaseException:
             if claimed:
-                idempotency.release(self.store, claimed)
+                idempotency.release(self.store, claimed)  # best effort: never hides why the submit failed
             raise
         return [Job(self.store, job_id) for job_id in job_ids]
 

@@ -53,7 +53,9 @@ def job(job_id: str) -> str:
 def idempotency(key: str, tenant: str | None = None) -> str:
     """String holding the job id (and request fingerprint) submitted under an idempotency key.
 
-    A tenant's keys are its own: ``vlmq:idem:<tenant>.<key>``.
+    ``~<job id> <fingerprint>`` (pending) while the submit that claimed it enqueues the job; ``<job id>
+    <fingerprint>`` once the job's record exists (``vlmq.idempotency``). A tenant's keys are its own:
+    ``vlmq:idem:<tenant>.<key>``.
     """
     return f"{PREFIX}idem:{tenant_job_id(tenant, key)}"
 

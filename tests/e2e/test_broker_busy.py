@@ -1,4 +1,5 @@
-"""A broker that answers "not now" never stops a worker; one that refuses it for good stops it with a non-zero status.
+"""A broker that answers "not now" never stops a worker; one that refuses it for good stops it with a non-zero status;
+a broker that lost the producers' function library gets it back from the workers.
 
 Each test runs its own Valkey (``busy-reply-threshold`` lowered so a script makes it answer ``BUSY`` within 50 ms)
 and one real worker as the ACL worker user ``vlmq acl --worker`` prints (issue 36 item 2).
@@ -18,6 +19,7 @@ from workerproc import TINY_CLASSES, WorkerProcess
 from vlmq import acl
 from vlmq.client import Client
 from vlmq.embedded import Server, start_valkey
+from vlmq.errors import BackendError
 from vlmq.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -86,5 +88,28 @@ def test_a_worker_stopped_by_an_unrecoverable_error_exits_non_zero(broker: Broke
         broker.admin.execute_command("ACL", "SETUSER", acl.WORKER_USER, "-eval")
         assert worker.proc.wait(timeout=120) != 0, worker.log()[-3000:]
         assert "Unrecoverable error" in worker.log()
+    finally:
+        worker.stop()
+
+
+def test_a_worker_loads_the_function_library_again_when_the_server_lost_it(broker: Broker, tmp_path: Path) -> None:
+    password = acl.new_password()
+    broker.admin.execute_command("ACL", "SETUSER", *acl.setuser_args(acl.tenant_user("acme"), password,
+                                                                     acl.tenant_rules("acme")))
+    tenant = dataclasses.replace(broker.settings, tenant="acme",
+                                 broker_url=with_user(broker.server.url, acl.tenant_user("acme"), password))
+    worker = start_worker(broker, tmp_path / "worker.log")
+    try:
+        broker.admin.function_flush()  # a restart without persistence, or an operator's FUNCTION FLUSH
+        with Client(settings=tenant) as client:  # a tenant cannot load it: the worker does, within seconds
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    job = client.submit(png((0, 0, 200)), "What colour is the image?", max_new_tokens=4)
+                    break
+                except BackendError as e:
+                    assert "not loaded" in str(e) and time.monotonic() < deadline, e
+                    time.sleep(0.5)
+            assert job.result(timeout=120).job_id == job.id
     finally:
         worker.stop()
