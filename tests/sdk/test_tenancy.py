@@ -77,21 +77,16 @@ def test_a_job_reads_only_an_input_of_its_own_tenant(job_id: str, key: str, allo
     assert keys.input_key_allowed(job_id, key) is allowed
 
 
-@pytest.mark.parametrize(("job_id", "batch_id", "allowed"), [
-    (f"acme.{HEX}", f"acme.batch_{HEX}", True),
-    (HEX, f"batch_{HEX}", True),
-    (f"acme.{HEX}", f"bob.batch_{HEX}", False),      # another tenant's batch
-    (f"acme.{HEX}", f"batch_{HEX}", False),          # an untenanted batch
-    (HEX, f"acme.batch_{HEX}", False),               # an untenanted job naming a tenant's batch
-    (f"acme.{HEX}", f"acme-2.batch_{HEX}", False),   # a tenant whose id starts with this one's
-    (f"acme.{HEX}", f"acme.batch_{HEX}x", False), (f"acme.{HEX}", f"acme.batch_{HEX}\n", False),
-    (f"acme.{HEX}", None, False),
-])
-def test_a_job_names_only_a_batch_of_its_own_tenant(job_id: str, batch_id: object, allowed: bool) -> None:
-    assert keys.batch_id_allowed(job_id, batch_id) is allowed
-    if isinstance(batch_id, str) and allowed:  # and the batch lists only jobs of its own tenant
-        assert keys.batch_member_allowed(batch_id, job_id)
-        assert not keys.batch_member_allowed(batch_id, f"bob.{HEX}" if job_id != HEX else f"acme.{HEX}")
+def test_a_job_names_only_a_batch_of_its_own_tenant_and_a_batch_lists_only_its_tenants_jobs() -> None:
+    own, untenanted, batch = f"acme.{HEX}", HEX, f"acme.batch_{HEX}"
+    assert keys.batch_id_allowed(own, batch) and keys.batch_id_allowed(untenanted, f"batch_{HEX}")
+    refused = {own: [f"bob.batch_{HEX}", f"batch_{HEX}", f"acme-2.batch_{HEX}", batch + "x", batch + "\n", None],
+               untenanted: [batch]}
+    assert [(j, b) for j, ids in refused.items() for b in ids if keys.batch_id_allowed(j, b)] == []
+    assert keys.batch_member_allowed(batch, own) and keys.batch_member_allowed(f"batch_{HEX}", untenanted)
+    others = (f"bob.{HEX}", HEX, f"acme-2.{HEX}", "acme.x", None)
+    assert [j for j in others if keys.batch_member_allowed(batch, j)] == []
+    assert not keys.batch_member_allowed(f"batch_{HEX}", own)
 
 
 @pytest.fixture
