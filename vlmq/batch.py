@@ -250,7 +250,8 @@ def _write_files(redis: Any, storage: Storage, batch_id: str, batch: dict[str, s
 
 def _member_records(redis: Any, batch_id: str, job_ids: list[str]) -> list[dict[str, str]]:
     """The records of ``job_ids`` that name this batch (a job of the tenant's listed in its batch by a forged
-    list, but submitted on its own or in another batch, is not this batch's), read ``READ_CHUNK`` at a time."""
+    list, but submitted on its own or in another batch, is not this batch's), read ``READ_CHUNK`` at a time.
+    A record that has expired stays, with only its id: the request gets an error line, as before."""
     records = []
     for start in range(0, len(job_ids), READ_CHUNK):
         chunk = job_ids[start:start + READ_CHUNK]
@@ -258,7 +259,7 @@ def _member_records(redis: Any, batch_id: str, job_ids: list[str]) -> list[dict[
         for job_id in chunk:
             pipe.hgetall(keys.job(job_id))
         records += [decode_record(r) | {"id": job_id} for job_id, r in zip(chunk, pipe.execute(), strict=True)]
-    kept = [r for r in records if r.get("batch_id") == batch_id]
+    kept = [r for r in records if r.get("batch_id") == batch_id or r.keys() == {"id"}]
     if len(kept) < len(records):
         log.warning("batch %s: %d listed jobs do not name it; left out of its files", batch_id,
                     len(records) - len(kept))

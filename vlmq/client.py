@@ -419,20 +419,20 @@ class Client:
 
     def _enqueue_call(self, job_id: str, item: _Prepared, extra: Mapping[str, str]) -> tuple[list[str], list[Any]]:
         record = [v for kv in (self._record(job_id, item) | dict(extra)).items() for v in kv]
-        key = item.request.idempotency_key
-        priority = item.request.priority
+        key, priority = item.request.idempotency_key, item.request.priority
+        # the key this call holds pending: the script publishes the job id under it once the record is written
+        idem = (keys.idempotency(key, self.tenant), idempotency.pending(job_id, item.fingerprint)) if key else None
         return affinity.enqueue_call(
             keys.job(job_id), keys.input_object(item.sha256, self.tenant), item.spec.name, item.cost.cost_class,
             priority, bound=self.settings.affinity_queue_bound if self.settings.affinity else 0,  # 0: never routed
             record_ttl=self.settings.job_ttl, wake_ttl=WAKE_TTL,
-            message=self._writer.message(job_id, item.queue, priority), record=record,
-            idempotency=(keys.idempotency(key, self.tenant), idempotency.pending(job_id, item.fingerprint)) if key
-            else None)
+            message=self._writer.message(job_id, item.queue, priority), record=record, idempotency=idem)
 
     def _claim_idempotency(self, items: list[_Prepared], job_ids: list[str], claimed: list[tuple[str, str]],
                            wait_for_room: float) -> list[int]:
         """Claim each request's idempotency key; returns the indices to enqueue (the others reuse a job id)."""
-        fresh, mine = [], {}
+        fresh: list[int] = []
+        mine: dict[str, tuple[str, str]] = {}  # key -> (job id, fingerprint) claimed earlier in this call
         for i, item in enumerate(items):
             key = item.request.idempotency_key
             if key:
