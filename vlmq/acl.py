@@ -3,7 +3,8 @@
 A tenant's user may enqueue (``LPUSH`` onto the queue lists; ``LLEN`` for the queue limits), read and
 write its own job records, done lists, cancel flags and idempotency keys, and read the affinity routes of
 its own inputs (``%R~``: never write one), nothing else: no other tenant's keys, no reading queue
-contents, no ``SCAN``/``KEYS``, no kombu or admin keys. The queue
+contents, no ``SCAN``/``KEYS``, no kombu or admin keys, and no code of its own (``FCALL`` of vlmq's functions,
+never ``EVAL`` or ``FUNCTION``). The queue
 commands sit in a selector, so they apply to the queue lists only and the record commands to the
 tenant's keys only. The worker user reaches every vlmq and kombu key but no admin or dangerous command.
 
@@ -20,13 +21,14 @@ from vlmq import keys
 WORKER_USER = "vlmq-worker"
 # what redis-py sends on connecting (AUTH or HELLO, library name, SELECT for a /<db> URL) and PING
 CONNECTION_COMMANDS = ["hello", "auth", "ping", "client|setinfo", "client|setname", "select"]
-# what the SDK runs on its own keys: records (HSET/EXPIRE/HGETALL), idempotency (SET NX GET, DEL on
-# release), waiting (BLMOVE on the done list), the transition script (EVAL: HGET, SET, HSET, EXPIRE, RPUSH,
+# what the SDK runs on its own keys: records (HSET/EXPIRE/HGETALL), idempotency (SET NX GET; GET/DEL inside the
+# release function), waiting (BLMOVE on the done list), the transition function (HGET, SET, HSET, EXPIRE, RPUSH,
 # EXISTS, HINCRBY), reading webhook delivery attempts (LRANGE, ``Job.deliveries()``), affinity routes of its
-# own inputs (GET, inside the enqueue script) and batches (HGETALL/HSET on its batch hash, RPUSH/LRANGE on its
-# job list, GET/SET/DEL on its finalizer lease; MULTI/EXEC around a batch's creation)
+# own inputs (GET, inside the enqueue function) and batches (HGETALL/HSET on its batch hash, RPUSH/LRANGE on its
+# job list, GET/SET/DEL on its finalizer lease; MULTI/EXEC around a batch's creation). Scripts only as FCALL of
+# vlmq's own functions (``vlmq.functions``): no EVAL, no FUNCTION (a tenant runs no code of its own)
 TENANT_COMMANDS = ["hgetall", "hget", "hmget", "hset", "hincrby", "exists", "expire", "get", "set", "del", "blmove",
-                   "rpush", "lrange", "eval", "multi", "exec", "discard"]
+                   "rpush", "lrange", "fcall", "multi", "exec", "discard"]
 # publishing is one LPUSH per message (see vlmq.wire); LLEN for queue limits
 QUEUE_COMMANDS = ["lpush", "llen"]
 # the wake token after a publish (vlmq.keys.wake): a latency hint, harmless to trim
@@ -46,10 +48,12 @@ def tenant_rules(tenant: str) -> list[str]:
             *(f"%R~{p}" for p in keys.tenant_read_patterns(tenant)),  # routes: readable, never forged
             f"(~{keys.queue_pattern()} {commands})",
             f"(~{keys.wake_pattern()} {' '.join(f'+{c}' for c in WAKE_COMMANDS)})",
-            # the enqueue script (vlmq.affinity) declares the job's record, its queue list, the wake list and its
-            # input's route; each command inside it is checked against the rules above (the route: GET only)
+            # the enqueue function (vlmq.affinity) declares the job's record, its queue list, the wake list, its
+            # input's route and its idempotency key; each command inside it is checked against the rules above (the
+            # route: GET only)
             f"(~{keys.job(keys.tenant_job_id(tenant, '*'))} ~{keys.queue_pattern()} ~{keys.wake_pattern()} "
-            f"{' '.join(f'~{p}' for p in keys.tenant_read_patterns(tenant))} +eval)"]
+            f"{' '.join(f'~{p}' for p in keys.tenant_read_patterns(tenant))} ~{keys.idempotency('*', tenant)} "
+            "+fcall)"]
 
 
 def worker_rules() -> list[str]:
@@ -79,8 +83,9 @@ def new_password() -> str:
 def tenant_s3_policy(storage_url: str, tenant: str) -> dict[str, Any]:
     """An IAM-style policy for a tenant's object-store credentials (S3 and most S3-compatible stores).
 
-    The tenant may write and read its inputs and read its results, under ``<prefix>/t/<tenant>/`` only.
-    The object store enforces it, not vlmq.
+    The tenant may write and read its inputs, read its results, and write and read its batches' output and
+    error files (``Batch.download``; its own client finalizes a batch when it sees every request ended), under
+    ``<prefix>/t/<tenant>/`` only. The object store enforces it, not vlmq.
     """
     bucket, _, prefix = storage_url.removeprefix("s3://").partition("/")
     head = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
@@ -88,6 +93,7 @@ def tenant_s3_policy(storage_url: str, tenant: str) -> dict[str, Any]:
     return {"Version": "2012-10-17", "Statement": [
         {"Effect": "Allow", "Action": ["s3:PutObject", "s3:GetObject"], "Resource": [f"{own}inputs/*"]},
         {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [f"{own}results/*"]},
+        {"Effect": "Allow", "Action": ["s3:PutObject", "s3:GetObject"], "Resource": [f"{own}batches/*"]},
     ]}
 
 

@@ -81,12 +81,16 @@ class Route:
 
 
 # KEYS[1] the job record, KEYS[2] the shared queue's list for the job's priority, KEYS[3] the shared queue's wake
-# list, KEYS[4] the input's hot key. ARGV[1] the record's TTL, ARGV[2] the wake token's, ARGV[3] the message
-# (routed to the shared queue), ARGV[4] the shared queue, ARGV[5] the cost class, ARGV[6] the bound (0: routing
-# off), ARGV[7] the worker queues' name prefix, ARGV[8] the list-name suffix of each priority step, '|'-joined,
-# ARGV[9] this job's suffix, ARGV[10] the wake lists' prefix, ARGV[11..] the record's field/value pairs.
-# Routes, writes the record before the message and pushes a wake token, all in one atomic step (a batch's later
-# jobs see its earlier ones in the worker queue's depth). Returns the queue.
+# list, KEYS[4] the input's hot key, KEYS[5] (optional) the job's idempotency key. ARGV[1] the record's TTL,
+# ARGV[2] the wake token's, ARGV[3] the message (routed to the shared queue), ARGV[4] the shared queue, ARGV[5] the
+# cost class, ARGV[6] the bound (0: routing off), ARGV[7] the worker queues' name prefix, ARGV[8] the list-name
+# suffix of each priority step, '|'-joined, ARGV[9] this job's suffix, ARGV[10] the wake lists' prefix, ARGV[11]
+# the idempotency key's pending value ('~<job id> <fingerprint>', vlmq.client), ARGV[12..] the record's field/value
+# pairs. Routes, writes the record before the message and pushes a wake token, all in one atomic step (a batch's
+# later jobs see its earlier ones in the worker queue's depth); then publishes the job id under its idempotency key
+# (the pending value without its '~', with the record's TTL) if the key is still this call's or has lapsed, so a
+# key names a job only once the job's record exists. Returns the queue. Run as the function ``enqueue`` of the
+# library in ``vlmq.functions`` (FCALL; tenants hold no EVAL).
 ENQUEUE_SCRIPT = """
 local queue, list, wake, message = ARGV[4], KEYS[2], KEYS[3], ARGV[3]
 local route = tonumber(ARGV[6]) > 0 and redis.call('GET', KEYS[4])
@@ -103,13 +107,17 @@ if route then
     end
   end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 11))
+redis.call('HSET', KEYS[1], unpack(ARGV, 12))
 redis.call('HSET', KEYS[1], 'queue', queue)
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('LPUSH', list, message)
 redis.call('LPUSH', wake, '1')
 redis.call('LTRIM', wake, 0, 0)
 redis.call('EXPIRE', wake, ARGV[2])
+if KEYS[5] then
+  local bound = redis.call('GET', KEYS[5])
+  if not bound or bound == ARGV[11] then redis.call('SET', KEYS[5], string.sub(ARGV[11], 2), 'EX', ARGV[1]) end
+end
 return queue
 """
 _SUFFIXES = "|".join(keys.priority_list("", p) for p in keys.PRIORITY_STEPS)
@@ -117,7 +125,7 @@ _SUFFIXES = "|".join(keys.priority_list("", p) for p in keys.PRIORITY_STEPS)
 
 def enqueue_call(job_key: str, input_key: str, model: str, cost_class: str, priority: int, *,
                  bound: int, record_ttl: int, wake_ttl: int, message: bytes,
-                 record: Sequence[Any]) -> tuple[list[str], list[Any]]:
+                 record: Sequence[Any], idempotency: tuple[str, str] | None = None) -> tuple[list[str], list[Any]]:
     """``(keys, args)`` of one ``ENQUEUE_SCRIPT`` call.
 
     The job goes to its input's hot worker's own queue when the input's route (``Route``, under
@@ -128,11 +136,14 @@ def enqueue_call(job_key: str, input_key: str, model: str, cost_class: str, prio
         message: the job's message, routed to the shared queue (``vlmq.wire``); the script rewrites its
             routing key when it routes the job to a worker queue.
         record: the record's field/value pairs; the script adds the ``queue`` it chose.
+        idempotency: the job's idempotency key and the pending value this call bound it to: the script publishes
+            the job id under the key once the record is written.
     """
     shared = keys.queue(model, cost_class)
     script_keys = [job_key, keys.priority_list(shared, priority), keys.wake(shared), keys.hot_input(input_key, model)]
+    script_keys += [idempotency[0]] if idempotency else []
     args = [record_ttl, wake_ttl, message, shared, cost_class, bound, keys.worker_queue_prefix(model, cost_class),
-            _SUFFIXES, keys.priority_list("", priority), keys.wake(""), *record]
+            _SUFFIXES, keys.priority_list("", priority), keys.wake(""), idempotency[1] if idempotency else "", *record]
     return script_keys, args
 
 

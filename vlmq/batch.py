@@ -22,13 +22,15 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vlmq import keys, rules
+from vlmq import functions, keys, rules
 from vlmq.errors import InvalidRequest, JobNotFound, JobTimeout
 from vlmq.storage import Storage
-from vlmq.store import JobStatus, JobStore, WireEnum, decode_record, now, transition_args, transition_reply
+from vlmq.store import JobStatus, JobStore, WireEnum, decode_record, now, transition_call, transition_reply
 
 log = logging.getLogger(__name__)
 LOCK_TTL = 300  # seconds a finalizer's lease lasts; a dead finalizer's batch is taken over after it
+MAX_REQUESTS = 50_000  # requests one batch holds at most (OpenAI's limit): what one finalization reads at most
+READ_CHUNK = 1000  # records read per round trip while finalizing
 OUTPUT, ERRORS = "output.jsonl", "errors.jsonl"
 _WINDOW = re.compile(r"([1-9][0-9]*)([smhd])")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -134,14 +136,35 @@ def counts(record: dict[str, str]) -> dict[str, int]:
             "cancelled": canceled}
 
 
-def cancel_jobs(store: JobStore, batch_id: str) -> int:
+def cancel_jobs(store: JobStore, batch_id: str, record: dict[str, str]) -> int:
     """Cancel every job of a batch that has not ended (one pipeline); returns how many were cancelled."""
-    job_ids = [j.decode() for j in store.call(store.redis.lrange, keys.batch_jobs(batch_id), 0, -1)]
-    pipe = store.redis.pipeline(transaction=False)
-    for job_id in job_ids:
-        pipe.eval(*transition_args(job_id, [JobStatus.QUEUED, JobStatus.STARTED], JobStatus.CANCELED, None,
-                                   store.job_ttl, keys.canceled(job_id)))
-    return sum(transition_reply(r)[0] for r in store.call(pipe.execute))
+    calls = [transition_call(job_id, [JobStatus.QUEUED, JobStatus.STARTED], JobStatus.CANCELED, None, store.job_ttl,
+                             keys.canceled(job_id)) for job_id in members(store.redis, batch_id, record)]
+    return sum(transition_reply(r)[0] for r in store.call(functions.call_many, store.redis, calls))
+
+
+def members(redis: Any, batch_id: str, record: dict[str, str]) -> list[str]:
+    """The job ids a batch's list names, each a job of the batch's own tenant; at most its ``total`` of them.
+
+    The batch hash and its list are written with the tenant's credentials, so both may be forged: an entry of
+    another tenant (or an untenanted one) is dropped before anyone reads its record, and however long the list
+    or large the ``total``, no more than ``MAX_REQUESTS`` entries are read.
+    """
+    total = min(_count(record.get("total")), MAX_REQUESTS)
+    raw = redis.lrange(keys.batch_jobs(batch_id), 0, total - 1) if total else []
+    listed = [j.decode(errors="replace") for j in raw]
+    kept = [j for j in listed if keys.batch_member_allowed(batch_id, j)]
+    if len(kept) < len(listed):
+        log.warning("batch %s: %d entries of its job list are not jobs of its tenant; ignored", batch_id,
+                    len(listed) - len(kept))
+    return kept
+
+
+def _count(value: object) -> int:
+    try:
+        return max(0, int(str(value)))
+    except ValueError:
+        return 0
 
 
 def expire_if_due(store: JobStore, batch_id: str, record: dict[str, str]) -> bool:
@@ -149,7 +172,7 @@ def expire_if_due(store: JobStore, batch_id: str, record: dict[str, str]) -> boo
     if record.get("status") != BatchStatus.IN_PROGRESS.value or now() < float(record.get("expires_at", "inf")):
         return False
     store.call(store.redis.hset, keys.batch(batch_id), "expired", "1")
-    cancelled = cancel_jobs(store, batch_id)
+    cancelled = cancel_jobs(store, batch_id, record)
     log.info("batch %s expired; %d requests cancelled", batch_id, cancelled)
     return True
 
@@ -201,17 +224,16 @@ def _announce(redis: Any, batch_id: str, url: str, job_ttl: int) -> None:
 
 def finalize_job_batch(redis: Any, storage: Storage, job_id: str, job_ttl: int) -> None:
     """After a job ended: finalize its batch if it was the last one (what a worker calls)."""
-    batch_id = redis.hget(keys.job(job_id), "batch_id")
-    if batch_id:
-        finalize_if_done(redis, storage, batch_id.decode(), job_ttl)
+    raw = redis.hget(keys.job(job_id), "batch_id")
+    batch_id = raw.decode(errors="replace") if raw else ""
+    if batch_id and not keys.batch_id_allowed(job_id, batch_id):  # a forged record naming another tenant's batch
+        log.warning("job %s names batch %r, not one of its tenant's; not finalizing it", job_id, batch_id[:80])
+    elif batch_id:
+        finalize_if_done(redis, storage, batch_id, job_ttl)
 
 
 def _write_files(redis: Any, storage: Storage, batch_id: str, batch: dict[str, str]) -> None:
-    job_ids = [j.decode() for j in redis.lrange(keys.batch_jobs(batch_id), 0, -1)]
-    pipe = redis.pipeline(transaction=False)
-    for job_id in job_ids:
-        pipe.hgetall(keys.job(job_id))
-    records = [decode_record(r) | {"id": job_id} for job_id, r in zip(job_ids, pipe.execute(), strict=True)]
+    records = _member_records(redis, batch_id, members(redis, batch_id, batch))
     finished = [r for r in records if r.get("status") == JobStatus.FINISHED.value]
     with ThreadPoolExecutor(16) as pool:
         docs = dict(zip((r["id"] for r in finished), pool.map(lambda r: _result(storage, r["id"]), finished),
@@ -224,6 +246,24 @@ def _write_files(redis: Any, storage: Storage, batch_id: str, batch: dict[str, s
         (out if doc else err).append(json.dumps(line))
     storage.put(keys.batch_object(batch_id, OUTPUT), "".join(f"{line}\n" for line in out).encode())
     storage.put(keys.batch_object(batch_id, ERRORS), "".join(f"{line}\n" for line in err).encode())
+
+
+def _member_records(redis: Any, batch_id: str, job_ids: list[str]) -> list[dict[str, str]]:
+    """The records of ``job_ids`` that name this batch (a job of the tenant's listed in its batch by a forged
+    list, but submitted on its own or in another batch, is not this batch's), read ``READ_CHUNK`` at a time.
+    A record that has expired stays, with only its id: the request gets an error line, as before."""
+    records = []
+    for start in range(0, len(job_ids), READ_CHUNK):
+        chunk = job_ids[start:start + READ_CHUNK]
+        pipe = redis.pipeline(transaction=False)
+        for job_id in chunk:
+            pipe.hgetall(keys.job(job_id))
+        records += [decode_record(r) | {"id": job_id} for job_id, r in zip(chunk, pipe.execute(), strict=True)]
+    kept = [r for r in records if r.get("batch_id") == batch_id or r.keys() == {"id"}]
+    if len(kept) < len(records):
+        log.warning("batch %s: %d listed jobs do not name it; left out of its files", batch_id,
+                    len(records) - len(kept))
+    return kept
 
 
 def _result(storage: Storage, job_id: str) -> dict[str, Any] | None:
@@ -335,7 +375,7 @@ class Batch:
             raise JobNotFound(f"no batch {self.id!r}")
         if record["status"] in (BatchStatus.IN_PROGRESS.value, BatchStatus.VALIDATING.value):
             self._store.call(set_status, self._store.redis, self.id, BatchStatus.CANCELLING, cancel_requested=1)
-            cancel_jobs(self._store, self.id)
+            cancel_jobs(self._store, self.id, record)
         return self.refresh()
 
     def download(self, which: str = "output") -> bytes:

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
-from vlmq import affinity, cachestats, keys, prompttokens, rules
+from vlmq import affinity, cachestats, functions, idempotency, keys, prompttokens, rules
 from vlmq import batch as batches
 from vlmq.batchfile import BatchLine, LineError, parse_line, read_lines
 from vlmq.chat import parse_messages, single_turn
@@ -243,6 +243,9 @@ class Client:
             numbered = list(read_lines(path))
         except (OSError, ValueError) as e:  # ValueError: not UTF-8, or a NUL or lone surrogate in the path
             raise InvalidRequest(f"cannot read batch file {str(path)!r}: {e}", code="bad_batch_file") from e
+        if len(numbered) > batches.MAX_REQUESTS:  # what one finalization reads at most
+            raise InvalidRequest(f"a batch holds at most {batches.MAX_REQUESTS} requests, this file has "
+                                 f"{len(numbered)}; split it", code="batch_too_large")
         for number, text in numbered:
             try:
                 line = parse_line(number, text, path.resolve().parent, anywhere)
@@ -366,16 +369,16 @@ class Client:
                 extra: Sequence[Mapping[str, str]] | None = None) -> list[Job]:
         """Store the inputs, then write records and messages; ``extra`` adds record fields per item."""
         job_ids = job_ids or [keys.tenant_job_id(self.tenant, new_job_id()) for _ in items]
-        claimed: list[str] = []  # idempotency keys this call set: released if nothing gets enqueued
+        claimed: list[tuple[str, str]] = []  # (idempotency key, pending value) this call set: released on failure
         try:
-            fresh = self._claim_idempotency(items, job_ids, claimed)
+            fresh = self._claim_idempotency(items, job_ids, claimed, wait_for_room)
             self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
             # durability: every input is stored before any message that names it becomes visible
             self._store_inputs(list({x.sha256: x for i in fresh for x in items[i].inputs}.values()))
             self._enqueue([(job_ids[i], items[i], extra[i] if extra else {}) for i in fresh])
         except BaseException:
             if claimed:
-                self.store.call(self.redis.delete, *(keys.idempotency(k, self.tenant) for k in claimed))
+                idempotency.release(self.store, claimed)  # best effort: never hides why the submit failed
             raise
         return [Job(self.store, job_id) for job_id in job_ids]
 
@@ -397,19 +400,9 @@ class Client:
         """
         for start in range(0, len(entries), CHUNK):
             chunk = entries[start:start + CHUNK]
-            pipe = self.redis.pipeline(transaction=False)
-            bound = self.settings.affinity_queue_bound if self.settings.affinity else 0  # 0: never routed
-            for job_id, item, extra in chunk:
-                record = [v for kv in (item.record(job_id, self.tenant) | dict(extra)).items() for v in kv]
-                priority = item.request.priority
-                script_keys, args = affinity.enqueue_call(
-                    keys.job(job_id), item.route_key(self.tenant), item.spec.name,
-                    item.cost.cost_class, priority, bound=bound,
-                    record_ttl=self.settings.job_ttl, wake_ttl=WAKE_TTL,
-                    message=self._writer.message(job_id, item.queue, priority), record=record)
-                pipe.eval(affinity.ENQUEUE_SCRIPT, len(script_keys), *script_keys, *args)
+            calls = [("enqueue", *self._enqueue_call(job_id, item, extra)) for job_id, item, extra in chunk]
             try:
-                self.store.call(pipe.execute)
+                self.store.call(functions.call_many, self.redis, calls)
             except BackendError as e:
                 raise BackendError(f"could not enqueue jobs {start}..{start + len(chunk) - 1} of this submit "
                                    f"({start} were enqueued before; some of these may be): {e}") from e
@@ -417,37 +410,35 @@ class Client:
                 log.info("job %s queued (%s, %d vision tokens)", job_id, item.cost.cost_class,
                          item.cost.vision_tokens)
 
-    def _claim_idempotency(self, items: list[Prepared], job_ids: list[str], claimed: list[str]) -> list[int]:
+    def _enqueue_call(self, job_id: str, item: Prepared, extra: Mapping[str, str]) -> tuple[list[str], list[Any]]:
+        record = [v for kv in (item.record(job_id, self.tenant) | dict(extra)).items() for v in kv]
+        key, priority = item.request.idempotency_key, item.request.priority
+        # the key this call holds pending: the script publishes the job id under it once the record is written
+        idem = (keys.idempotency(key, self.tenant), idempotency.pending(job_id, item.fingerprint)) if key else None
+        return affinity.enqueue_call(
+            keys.job(job_id), item.route_key(self.tenant), item.spec.name, item.cost.cost_class,
+            priority, bound=self.settings.affinity_queue_bound if self.settings.affinity else 0,  # 0: never routed
+            record_ttl=self.settings.job_ttl, wake_ttl=WAKE_TTL,
+            message=self._writer.message(job_id, item.queue, priority), record=record, idempotency=idem)
+
+    def _claim_idempotency(self, items: list[Prepared], job_ids: list[str], claimed: list[tuple[str, str]],
+                           wait_for_room: float) -> list[int]:
         """Claim each request's idempotency key; returns the indices to enqueue (the others reuse a job id)."""
-        fresh = []
+        fresh: list[int] = []
+        mine: dict[str, tuple[str, str]] = {}  # key -> (job id, fingerprint) claimed earlier in this call
         for i, item in enumerate(items):
             key = item.request.idempotency_key
             if key:
-                first = self._claim(key, job_ids[i], item.fingerprint)
+                first = mine.get(key) or idempotency.claim(self.store, key, job_ids[i], item.fingerprint,
+                                                           idempotency.PENDING_TTL + wait_for_room)
                 if first:
-                    job_ids[i] = first
+                    idempotency.check_same(key, first, item.fingerprint)
+                    job_ids[i] = first[0]
                     continue
-                claimed.append(key)
+                claimed.append((key, idempotency.pending(job_ids[i], item.fingerprint)))
+                mine[key] = (job_ids[i], item.fingerprint)  # the same key again in this call: this job
             fresh.append(i)
         return fresh
-
-    def _claim(self, key: str, job_id: str, fingerprint: str) -> str | None:
-        """Bind ``key`` to this job and request; returns the first job's id if the key was bound already.
-
-        Raises:
-            InvalidRequest: ``idempotency_conflict``, the key is bound to a different request.
-        """
-        # SET NX GET: one atomic step that either binds the key or returns what it is bound to
-        stored: bytes | None = self.store.call(self.redis.set, keys.idempotency(key, self.tenant),
-                                              f"{job_id} {fingerprint}", nx=True, get=True, ex=self.settings.job_ttl)
-        if stored is None:
-            return None
-        first_id, _, first_fingerprint = stored.decode().partition(" ")
-        if first_fingerprint != fingerprint:
-            raise InvalidRequest(f"idempotency key {key!r} was used for a different request (job {first_id}); "
-                                 "the same key must come with the same images, prompt or messages and parameters",
-                                 code="idempotency_conflict")
-        return first_id
 
     def _store_input(self, item: Input) -> None:
         input_key = keys.input_object(item.sha256, self.tenant)

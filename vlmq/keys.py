@@ -18,6 +18,7 @@ UNACKED = "unacked"  # kombu: hash delivery_tag -> [message, exchange, routing_k
 UNACKED_INDEX = "unacked_index"  # kombu: sorted set delivery_tag -> delivery time; leases refresh the score
 TENANT_RE = r"[a-z0-9][a-z0-9-]{0,31}"
 JOB_ID_RE = rf"(?:{TENANT_RE}\.)?[0-9a-f]{{32}}"
+BATCH_ID_RE = rf"(?:{TENANT_RE}\.)?batch_[0-9a-f]{{32}}"
 _TENANT = re.compile(TENANT_RE)
 
 
@@ -52,7 +53,9 @@ def job(job_id: str) -> str:
 def idempotency(key: str, tenant: str | None = None) -> str:
     """String holding the job id (and request fingerprint) submitted under an idempotency key.
 
-    A tenant's keys are its own: ``vlmq:idem:<tenant>.<key>``.
+    ``~<job id> <fingerprint>`` (pending) while the submit that claimed it enqueues the job; ``<job id>
+    <fingerprint>`` once the job's record exists (``vlmq.idempotency``). A tenant's keys are its own:
+    ``vlmq:idem:<tenant>.<key>``.
     """
     return f"{PREFIX}idem:{tenant_job_id(tenant, key)}"
 
@@ -201,6 +204,24 @@ def new_batch_id(tenant: str | None, base: str) -> str:
     return tenant_job_id(tenant, f"batch_{base}")
 
 
+def batch_id_allowed(job_id: str, batch_id: object) -> bool:
+    """Whether a job's record may name ``batch_id``: a batch of the job's own tenant (``<tenant>.batch_<hex>``).
+
+    A tenant writes its own records, so the ``batch_id`` a record names is checked before anyone acts on it.
+    """
+    pattern = re.escape(new_batch_id(tenant_of(job_id), "")) + "[0-9a-f]{32}"
+    return isinstance(batch_id, str) and re.fullmatch(pattern, batch_id) is not None
+
+
+def batch_member_allowed(batch_id: str, job_id: object) -> bool:
+    """Whether ``job_id`` may be a request of ``batch_id``: a job id of the batch's own tenant (none for none).
+
+    A tenant writes its own batch's job list, so every entry is checked before a finalizer reads its record.
+    """
+    return (isinstance(job_id, str) and re.fullmatch(JOB_ID_RE, job_id) is not None
+            and tenant_of(job_id) == tenant_of(batch_id))
+
+
 def batch(batch_id: str) -> str:
     """Hash with a batch object (status, counts, files). Written by the SDK; the request counters
     (``n_finished``, ``n_failed``, ``n_canceled``) by every final job transition (``vlmq.store``)."""
@@ -208,7 +229,11 @@ def batch(batch_id: str) -> str:
 
 
 def batch_jobs(batch_id: str) -> str:
-    """List of a batch's job ids in the order of its input lines. Written once by the SDK at submit."""
+    """List of a batch's job ids in the order of its input lines. Written once by the SDK at submit.
+
+    Its writer holds the tenant's credentials, so finalizers trust no entry: each must be a job of the batch's
+    tenant whose record names this batch (``vlmq.batch.members``), and at most the batch's ``total`` are read.
+    """
     return f"{PREFIX}batch-jobs:{batch_id}"
 
 

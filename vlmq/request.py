@@ -36,7 +36,8 @@ class JobRequest:
         model: model name (``tiny-shapes`` is bundled; others come from ``VLMQ_MODELS``).
         max_new_tokens: most tokens to generate (1 .. ``VLMQ_MAX_NEW_TOKENS``).
         priority: 0 (highest) to 9 (lowest).
-        idempotency_key: submitting the same request again with this key returns the first job.
+        idempotency_key: submitting the same request again with this key returns the first job, once that job
+            exists: a submit racing one still being enqueued waits for it (``vlmq.idempotency``).
         ignore_eos: generate exactly ``max_new_tokens`` tokens (benchmarks and load tests).
         webhook: an http(s) URL told when the job ends (signed ``job.finished``/``job.failed``/``job.canceled``
             events, see ``vlmq.webhooks``); None uses the client's default, ``""`` sends none.

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import redis as redis_lib
 
-from vlmq import keys
+from vlmq import functions, keys
 from vlmq.errors import BackendError, JobNotFound
 from vlmq.storage import Storage
 
@@ -71,7 +71,8 @@ def decode_record(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> dict[str, s
 # tenant is counted, whatever a forged record names (that key is derived from the record: a single-node Redis or
 # Valkey, not Redis Cluster).
 # Returns the previous status, false if the job is missing, or "!<status>" if the transition was refused.
-_TRANSITION = """
+# Run as the function ``transition`` of the library in ``vlmq.functions`` (FCALL; tenants hold no EVAL).
+TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return false end
 local ttl = tonumber(ARGV[3])
@@ -113,21 +114,21 @@ def transition(redis: Any, job_id: str, allowed: Iterable[JobStatus], new: JobSt
     Returns:
         (changed, previous status or None if the job does not exist).
     """
-    reply = redis.eval(*transition_args(job_id, allowed, new, fields, ttl, flag_key))
+    reply = functions.call(redis, *transition_call(job_id, allowed, new, fields, ttl, flag_key))
     return transition_reply(reply)
 
 
-def transition_args(job_id: str, allowed: Iterable[JobStatus], new: JobStatus,
+def transition_call(job_id: str, allowed: Iterable[JobStatus], new: JobStatus,
                     fields: Mapping[str, object] | None = None, ttl: int = 0,
-                    flag_key: str | None = None) -> list[object]:
-    """The ``EVAL`` arguments of :func:`transition` (to queue several in one pipeline)."""
+                    flag_key: str | None = None) -> tuple[str, list[str], list[object]]:
+    """``(function, keys, args)`` of :func:`transition` (for ``vlmq.functions.call_many``)."""
     pairs: list[object] = [f"{new.value}_at", repr(now())]
     for k, v in (fields or {}).items():
         pairs += [k, v]
     allowed_csv = ",".join(s.value for s in allowed)
     job_keys = [keys.job(job_id), keys.done(job_id)] + ([flag_key] if flag_key else [])
-    return [_TRANSITION, len(job_keys), *job_keys, allowed_csv, new.value, ttl, int(new.is_final), DONE_TTL,
-            keys.batch(""), keys.new_batch_id(keys.tenant_of(job_id), ""), *pairs]
+    return "transition", job_keys, [allowed_csv, new.value, ttl, int(new.is_final), DONE_TTL, keys.batch(""),
+                                    keys.new_batch_id(keys.tenant_of(job_id), ""), *pairs]
 
 
 def transition_reply(reply: object) -> tuple[bool, str | None]:

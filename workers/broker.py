@@ -13,6 +13,8 @@ kombu ``kombu.transport.redis.Channel`` (the consumer's task channel):
   - ``unacked_key``, ``unacked_index_key``, ``global_keyprefix``: unacked structures (must equal
     ``vlmq.keys.UNACKED`` / ``UNACKED_INDEX``; no prefix).
   - ``client`` (``connection.send_command``, ``parse_response``), ``connection_errors``: raw commands.
+  - ``Channel.connection_class`` (class attribute): the redis-py connection class every channel connects with;
+    replaced by one that reads "not now" replies (``BUSY``, ``LOADING``, ``OOM``, ...) as a lost connection.
   - ``_in_poll``, ``_brpop_sent_at``, ``_flush_brpop_reauth()``: poll bookkeeping kombu's own read keeps.
   - ``connection._deliver(message, queue)``: hands a decoded envelope to the consumer's callbacks.
   - ``qos.can_consume()``: whether the consumer may fetch now; narrowed by the cost gate.
@@ -65,6 +67,7 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("kombu.transport.redis", "Channel.global_keyprefix"),
     ("kombu.transport.redis", "Channel.sep"),
     ("kombu.transport.redis", "Channel.priority_steps"),
+    ("kombu.transport.redis", "Channel.connection_class"),
     ("kombu.transport.redis", "QoS.can_consume"),
     ("kombu.transport.redis", "QoS.ack"),
     ("kombu.transport.virtual.base", "Transport._deliver"),
@@ -102,6 +105,11 @@ for i = 3, #KEYS do
 end
 return false
 """
+# error replies that mean "not now": a script past busy-reply-threshold (BUSY), a server loading its data or failing
+# over, a replica, a full or misconfigured one; kombu's connections read them as a lost connection (reconnect, never
+# exit). LOADING is redis-py's BusyLoadingError, a ConnectionError already.
+TRANSIENT_REPLIES = frozenset({"BUSY", "LOADING", "TRYAGAIN", "MASTERDOWN", "READONLY", "CLUSTERDOWN", "OOM",
+                               "MISCONF", "NOREPLICAS"})
 POP_REFUSALS = {
     "oversized": f"oversized: the message is longer than {MAX_MESSAGE_BYTES} bytes",
     "duplicate": "duplicate_delivery_tag: another held message has this delivery tag",
@@ -248,6 +256,44 @@ def _install_pop(channel: Any, queue_keys: Callable[[Any], list[str]], gate: Mes
     channel._brpop_start = MethodType(start, channel)
     channel._brpop_read = MethodType(read, channel)
     channel.handlers["BRPOP"] = channel._brpop_read  # the poller calls the handler it saved at init
+
+
+def transient(error: Exception) -> bool:
+    """Whether a Redis error reply says "not now" (a busy, loading, failing-over, read-only or full server)."""
+    import redis as redis_lib
+
+    code = getattr(error, "status_code", None) or str(error).split(" ", 1)[0]
+    return isinstance(error, redis_lib.exceptions.ResponseError) and code in TRANSIENT_REPLIES
+
+
+def transient_as_lost() -> type:
+    """A ``redis.Connection`` that reads a "not now" reply as a lost connection (kombu's channels use it).
+
+    kombu takes any other error reply for a broken channel, and Celery stops the worker on one: a worker whose pop
+    or ack was answered ``BUSY`` (a script past ``busy-reply-threshold``) exited. As a lost connection, redis-py
+    retries the command and kombu reconnects instead; a refusal for good (``NOPERM``, ...) still stops the worker,
+    which then exits non-zero (``vlmq.workers.main``).
+    """
+    import redis as redis_lib
+
+    class TransientAsLost(redis_lib.Connection):
+        def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().read_response(*args, **kwargs)
+            except redis_lib.exceptions.ResponseError as e:
+                if not transient(e):
+                    raise
+                self.disconnect()  # the rest of a pipeline's replies are still on the socket
+                raise redis_lib.exceptions.ConnectionError(f"the broker answered {e}; reconnecting") from e
+
+    return TransientAsLost
+
+
+def use_transient_as_lost() -> None:
+    """Every kombu Redis channel made from now on connects with :func:`transient_as_lost` (call before connecting)."""
+    from kombu.transport import redis as kombu_redis
+
+    kombu_redis.Channel.connection_class = transient_as_lost()
 
 
 def _read_reply(channel: Any, **options: Any) -> Any:

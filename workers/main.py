@@ -28,6 +28,7 @@ from vlmq.worker_args import add_worker_arguments
 
 log = logging.getLogger(__name__)
 ASSETS = Path(__file__).resolve().parent / "assets"
+FUNCTIONS_CHECK_S = 10.0  # seconds between checks that the server still holds the producers' function library
 
 
 def model_dir(spec: ModelSpec) -> str:
@@ -71,8 +72,13 @@ def default_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
-    """Load the model and consume this model's queues until stopped."""
+def run_worker(settings: Settings, model: str, name: str | None = None) -> int:
+    """Load the model and consume this model's queues until stopped.
+
+    Returns:
+        The exit status: 0 after a requested stop, non-zero after an unrecoverable error (so a supervisor restarts
+        the worker).
+    """
     from vlmq import keys
     from vlmq.workers import broker
     from vlmq.workers.app import make_worker_app
@@ -84,6 +90,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.retention import start_sweeper
 
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
+    broker.use_transient_as_lost()  # BUSY and other "not now" replies: reconnect, never exit
     with _model_load(model):
         spec = resolve_model(model, settings)
     check_device(settings.device)
@@ -102,6 +109,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
         backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
                                kv_store=kv_store, speculative=settings.speculative or "model")
     redis = redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3)
+    _load_functions(redis)
     fleet = FleetReporter(redis, settings, spec.name, name, classes, backend.cache_stats)
     # the worker's own queues (affinity routing) cost what the shared queue of their class costs
     own = {keys.worker_queue(spec.name, c, name): shared[keys.queue(spec.name, c)]
@@ -119,8 +127,51 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     _start_reporting(ctx, budget, [(spec.name, c) for c in classes])
     # event heartbeats only with task events on (Flower shows the worker online); otherwise no event traffic
     heartbeat = [] if settings.worker_events else ["--without-heartbeat"]
-    app.worker_main(["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
-                     "--without-mingle", *heartbeat, "--pool", "threads", "--concurrency", str(settings.worker_batch)])
+    return _run_celery(app, ["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
+                             "--without-mingle", *heartbeat, "--pool", "threads",
+                             "--concurrency", str(settings.worker_batch)])
+
+
+def _run_celery(app: Any, argv: list[str]) -> int:
+    """Run the Celery worker; returns its exit status.
+
+    ``app.worker_main`` and ``app.start`` drop the status (click returns it, Celery does not pass it on), so a worker
+    that stopped on an unrecoverable error exited 0 and a supervisor took it for a requested stop. The status is
+    read off the worker itself (``worker_init`` sends it).
+    """
+    from celery.signals import worker_init
+
+    started: list[Any] = []
+    worker_init.connect(lambda sender, **_: started.append(sender), weak=False)
+    app.worker_main(argv)
+    return int(started[-1].exitcode or 0) if started else 1
+
+
+def _load_functions(redis: Any) -> None:
+    """Load the producers' function library (``vlmq.functions``), and load it again whenever it is gone.
+
+    A tenant may call it, never load it, so a server that lost it (restarted without persistence, ``FUNCTION
+    FLUSH``) would refuse every tenant's submit until some worker loads it again.
+    """
+    import threading
+
+    from vlmq import functions
+
+    def check() -> None:
+        try:
+            if not redis.function_list(library=functions.library()[0]):
+                functions.load(redis)
+                log.info("loaded the vlmq function library %s", functions.library()[0])
+        except redis_lib.RedisError as e:  # Redis down or busy: the next round (or a call that misses it) loads it
+            log.warning("could not load the vlmq function library %s: %s", functions.library()[0], e)
+
+    def keep() -> None:
+        while True:
+            time.sleep(FUNCTIONS_CHECK_S)
+            check()
+
+    check()  # before the worker says it is ready: its tenants can submit from then on
+    threading.Thread(target=keep, name="vlmq-functions", daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -249,8 +300,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     logs.configure(settings.log_format, "supervisor:" + name if args.gpus else name)
     if args.gpus:
         return run_gpu_workers(settings, args.model, args.gpus)
-    run_worker(settings, args.model, name)
-    return 0
+    return run_worker(settings, args.model, name)
 
 
 def main(argv: list[str] | None = None) -> int:

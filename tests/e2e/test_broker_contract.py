@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import time
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,34 @@ def test_kombu_stores_the_routing_key_in_the_form_the_drain_script_rewrites(redi
         app.close()
     raw = redis_client.rpop(own).decode()
     assert f'"routing_key": {json.dumps(own)}' in raw
+
+
+def test_a_channel_reads_a_not_now_reply_as_a_lost_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import redis
+    from kombu.transport import redis as kombu_redis
+    from test_broker_busy import BUSY_SCRIPT
+
+    from vlmq.embedded import start_valkey
+
+    monkeypatch.setattr(kombu_redis.Channel, "connection_class", kombu_redis.Channel.connection_class)  # restored
+    broker.use_transient_as_lost()
+    server = start_valkey()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        admin.config_set("busy-reply-threshold", 10)
+        with make_celery(Settings(broker_url=server.url)).connection_for_write() as conn:
+            connection = conn.default_channel.client.connection_pool.get_connection()  # the class kombu connects with
+            busy = threading.Thread(target=admin.eval, args=(BUSY_SCRIPT, 0, 1_500_000))
+            busy.start()
+            time.sleep(0.3)
+            connection.send_command("LPUSH", "q", "m")
+            with pytest.raises(tuple(conn.connection_errors), match="BUSY"):
+                connection.read_response()
+            busy.join()
+            connection.send_command("LPUSH", "q", "m")  # reconnects; an ordinary reply reads as before
+            assert connection.read_response() == 1
+    finally:
+        admin.close()
+        server.stop()

@@ -50,6 +50,15 @@ def with_user(url: str, user: str, password: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port}"))
 
 
+def make_users(admin: Any, tenants: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """The ACL users ``vlmq acl`` generates for ``tenants`` and the workers, with fresh passwords."""
+    users = {acl.tenant_user(t): acl.tenant_rules(t) for t in tenants} | {acl.WORKER_USER: acl.worker_rules()}
+    passwords = {user: acl.new_password() for user in users}
+    for user, rules in users.items():
+        admin.execute_command("ACL", "SETUSER", *acl.setuser_args(user, passwords[user], rules))
+    return list(users), passwords
+
+
 @dataclass
 class Pool:
     settings: Settings  # untenanted, the default (full-access) user
@@ -75,10 +84,7 @@ def pool(redis_url: str, s3_server: Any, tmp_path_factory: pytest.TempPathFactor
 
     admin = redis.Redis.from_url(redis_url)
     admin.flushdb()
-    users = {acl.tenant_user(t): acl.tenant_rules(t) for t in TENANTS} | {acl.WORKER_USER: acl.worker_rules()}
-    passwords = {user: acl.new_password() for user in users}
-    for user, rules in users.items():
-        admin.execute_command("ACL", "SETUSER", *acl.setuser_args(user, passwords[user], rules))
+    users, passwords = make_users(admin, TENANTS)
     settings = Settings(broker_url=redis_url, storage_url=f"s3://{BUCKET}/{PREFIX}", s3_endpoint_url=s3_server.url,
                         cost_classes=TINY_CLASSES)
     worker_url = with_user(redis_url, acl.WORKER_USER, passwords[acl.WORKER_USER])

@@ -20,9 +20,10 @@ class WorkerProcess:
     """``python -m vlmq.workers.main`` (or another ``entry``: a script) as a child process, logging to a file."""
 
     def __init__(self, settings: Settings, log_path: Path, *extra: str,
-                 entry: tuple[str, ...] = ("-m", "vlmq.workers.main"), cwd: Path | None = None) -> None:
+                 entry: tuple[str, ...] = ("-m", "vlmq.workers.main"), cwd: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
-        env = {**os.environ, **settings.to_env()}
+        env = {**os.environ, **settings.to_env(), **(env or {})}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, *entry, *extra], env=env, cwd=cwd,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

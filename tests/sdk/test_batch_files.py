@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from vlmq import batch as batches
 from vlmq import keys
 from vlmq.batch import BatchInvalid, BatchStatus
 from vlmq.client import Client
@@ -330,3 +331,12 @@ def test_a_batch_with_a_webhook_queues_one_batch_completed_event_when_it_ends(cl
     data = json.loads(event[b"data"])
     assert data["id"] == batch.id and data["status"] == "cancelled" and data["request_counts"]["failed"] == 1
     client.redis.delete(keys.webhook_due())  # no delivery worker runs here to take the event
+
+
+def test_a_batch_holds_at_most_what_one_finalization_reads(client: Client, tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    path.write_text((line("x", "img.png") + "\n") * (batches.MAX_REQUESTS + 1))  # refused before any is parsed
+    with pytest.raises(InvalidRequest) as err:
+        client.submit_batch(path)
+    assert err.value.code == "batch_too_large" and f"at most {batches.MAX_REQUESTS}" in str(err.value)
+    assert queued(client) == 0 and not list(client.redis.scan_iter(keys.batch("*")))

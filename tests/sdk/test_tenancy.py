@@ -17,10 +17,10 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from PIL import Image
 
-from vlmq import acl, keys
+from vlmq import acl, functions, keys
 from vlmq.client import Client
 from vlmq.errors import BackendError, InvalidRequest, JobNotFound
-from vlmq.jobs import Job
+from vlmq.jobs import Job, JobStatus
 from vlmq.settings import Settings
 
 HEX = uuid.UUID(int=0xABC).hex
@@ -77,6 +77,18 @@ def test_a_job_reads_only_an_input_of_its_own_tenant(job_id: str, key: str, allo
     assert keys.input_key_allowed(job_id, key) is allowed
 
 
+def test_a_job_names_only_a_batch_of_its_own_tenant_and_a_batch_lists_only_its_tenants_jobs() -> None:
+    own, untenanted, batch = f"acme.{HEX}", HEX, f"acme.batch_{HEX}"
+    assert keys.batch_id_allowed(own, batch) and keys.batch_id_allowed(untenanted, f"batch_{HEX}")
+    refused = {own: [f"bob.batch_{HEX}", f"batch_{HEX}", f"acme-2.batch_{HEX}", batch + "x", batch + "\n", None],
+               untenanted: [batch]}
+    assert [(j, b) for j, ids in refused.items() for b in ids if keys.batch_id_allowed(j, b)] == []
+    assert keys.batch_member_allowed(batch, own) and keys.batch_member_allowed(f"batch_{HEX}", untenanted)
+    others = (f"bob.{HEX}", HEX, f"acme-2.{HEX}", "acme.x", None)
+    assert [j for j in others if keys.batch_member_allowed(batch, j)] == []
+    assert not keys.batch_member_allowed(f"batch_{HEX}", own)
+
+
 @pytest.fixture
 def acl_users(redis_client: Any) -> Iterator[Any]:
     users = [acl.tenant_user("acme"), acl.WORKER_USER]
@@ -96,12 +108,21 @@ def test_the_tenant_acl_allows_its_own_keys_and_the_queues_only(acl_users: Any) 
     queue = keys.queue("tiny-shapes", "xs") + ":5"
     yes = [("HGETALL", keys.job(own)), ("HSET", keys.job(own), "a", "b"), ("BLMOVE", keys.done(own), keys.done(own),
            "LEFT", "RIGHT", "1"), ("SET", keys.idempotency("k", "acme"), "v", "NX", "GET"), ("LPUSH", queue, "m"),
-           ("LLEN", queue), ("EVAL", "return 1", "2", keys.job(own), keys.canceled(own)), ("PING",)]
+           ("LLEN", queue), ("FCALL", functions.function_name("transition"), "3", keys.job(own), keys.done(own),
+                             keys.canceled(own)), ("PING",),
+           ("FCALL", functions.function_name("enqueue"), "5", keys.job(own), queue, keys.wake(queue),
+            keys.hot_input(keys.input_object(SHA, "acme"), "m"), keys.idempotency("k", "acme"))]
     no = [("HGETALL", keys.job(other)), ("HGETALL", keys.job(HEX)), ("GET", keys.idempotency("k", "acme-2")),
           ("GET", keys.idempotency("acme")), ("LRANGE", queue, "0", "-1"), ("RPOP", queue), ("SCAN", "0"),
           ("KEYS", "*"), ("LPUSH", keys.job(own) + "x", "m"), ("HSET", queue, "a", "b"),
           ("SADD", "_kombu.binding.x", "m"), ("HGETALL", "unacked"), ("FLUSHDB",), ("CONFIG", "GET", "*"),
-          ("EVAL", "return 1", "1", keys.job(other)), ("SUBSCRIBE", "x")]
+          ("EVAL", "return 1", "1", keys.job(other)), ("SUBSCRIBE", "x"),
+          ("FCALL", functions.function_name("transition"), "1", keys.job(other)),
+          # no code of its own (issue 36 item 2): no script, no function loaded or replaced
+          ("EVAL", "return 1", "2", keys.job(own), keys.canceled(own)), ("EVAL", "return 1", "0"),
+          ("EVALSHA", "0" * 40, "0"), ("SCRIPT", "LOAD", "return 1"), ("FUNCTION", "LOAD", "#!lua name=x\n"),
+          ("FUNCTION", "DELETE", functions.library()[0]), ("FUNCTION", "FLUSH"), ("FUNCTION", "RESTORE", "x"),
+          ("FUNCTION", "KILL"), ("SCRIPT", "KILL")]
     assert [c for c in yes if not allowed(acl_users, user, *c)] == []
     assert [c for c in no if allowed(acl_users, user, *c)] == []
 
@@ -114,6 +135,30 @@ def test_the_worker_acl_reaches_vlmq_and_kombu_keys_but_no_admin_command(acl_use
           ("SHUTDOWN",), ("DEBUG", "SLEEP", "0")]
     assert [c for c in yes if not allowed(acl_users, acl.WORKER_USER, *c)] == []
     assert [c for c in no if allowed(acl_users, acl.WORKER_USER, *c)] == []
+
+
+def test_a_tenant_runs_vlmqs_functions_and_no_code_of_its_own(acl_users: Any, redis_url: str,
+                                                              tmp_path: Path) -> None:
+    import redis
+
+    parts = urlsplit(redis_url)
+    url = urlunsplit(parts._replace(netloc=f"{acl.tenant_user('acme')}:pw@{parts.hostname}:{parts.port}"))
+    raw = redis.Redis.from_url(url)
+    try:
+        # what held the server busy past its BUSY threshold and stopped workers: refused before it runs
+        refused = [lambda: raw.eval("return 1", 0), lambda: raw.eval("while true do end", 0),
+                   lambda: raw.script_load("return 1"), lambda: raw.function_flush(),
+                   lambda: raw.function_delete(functions.library()[0]),
+                   lambda: raw.function_load(functions.library()[1].replace("return cur", "return 'x'"), replace=True)]
+        for call in refused:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                call()
+    finally:
+        raw.close()
+    functions.load(acl_users)  # what a worker does when it starts
+    with Client(url, f"file://{tmp_path}", tenant="acme") as client:  # submit and cancel: vlmq's own functions
+        job = client.submit(png(), "What colour?", idempotency_key="k")
+        assert job.cancel() and job.status() is JobStatus.CANCELED
 
 
 @pytest.fixture
