@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vlmq import keys
+from vlmq import functions, keys
 
 DRAIN_BATCH = 1000  # messages moved per script call; callers loop while a call moves this many
 
@@ -80,46 +80,7 @@ class Route:
         return cls(worker, frozenset(c for c in classes.split(",") if c))
 
 
-# KEYS[1] the job record, KEYS[2] the shared queue's list for the job's priority, KEYS[3] the shared queue's wake
-# list, KEYS[4] the input's hot key, KEYS[5] (optional) the job's idempotency key. ARGV[1] the record's TTL,
-# ARGV[2] the wake token's, ARGV[3] the message (routed to the shared queue), ARGV[4] the shared queue, ARGV[5] the
-# cost class, ARGV[6] the bound (0: routing off), ARGV[7] the worker queues' name prefix, ARGV[8] the list-name
-# suffix of each priority step, '|'-joined, ARGV[9] this job's suffix, ARGV[10] the wake lists' prefix, ARGV[11]
-# the idempotency key's pending value ('~<job id> <fingerprint>', vlmq.client), ARGV[12..] the record's field/value
-# pairs. Routes, writes the record before the message and pushes a wake token, all in one atomic step (a batch's
-# later jobs see its earlier ones in the worker queue's depth); then publishes the job id under its idempotency key
-# (the pending value without its '~', with the record's TTL) if the key is still this call's or has lapsed, so a
-# key names a job only once the job's record exists. Returns the queue. Run as the function ``enqueue`` of the
-# library in ``vlmq.functions`` (FCALL; tenants hold no EVAL).
-ENQUEUE_SCRIPT = """
-local queue, list, wake, message = ARGV[4], KEYS[2], KEYS[3], ARGV[3]
-local route = tonumber(ARGV[6]) > 0 and redis.call('GET', KEYS[4])
-if route then
-  local worker, classes = string.match(route, '^([%w_%-]+) ([%w_%-,]*)$')
-  if worker and #worker <= 64 and string.find(',' .. classes .. ',', ',' .. ARGV[5] .. ',', 1, true) then
-    local own = ARGV[7] .. worker
-    local depth = 0
-    for suffix in string.gmatch('|' .. ARGV[8], '|([^|]*)') do depth = depth + redis.call('LLEN', own .. suffix) end
-    if depth < tonumber(ARGV[6]) then
-      local s, e = string.find(message, '"routing_key": ' .. cjson.encode(queue), 1, true)
-      message = string.sub(message, 1, s - 1) .. '"routing_key": ' .. cjson.encode(own) .. string.sub(message, e + 1)
-      queue, list, wake = own, own .. ARGV[9], ARGV[10] .. own
-    end
-  end
-end
-redis.call('HSET', KEYS[1], unpack(ARGV, 12))
-redis.call('HSET', KEYS[1], 'queue', queue)
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('LPUSH', list, message)
-redis.call('LPUSH', wake, '1')
-redis.call('LTRIM', wake, 0, 0)
-redis.call('EXPIRE', wake, ARGV[2])
-if KEYS[5] then
-  local bound = redis.call('GET', KEYS[5])
-  if not bound or bound == ARGV[11] then redis.call('SET', KEYS[5], string.sub(ARGV[11], 2), 'EX', ARGV[1]) end
-end
-return queue
-"""
+ENQUEUE_SCRIPT = functions.ENQUEUE  # the script (vlmq.functions holds the library's sources)
 _SUFFIXES = "|".join(keys.priority_list("", p) for p in keys.PRIORITY_STEPS)
 
 

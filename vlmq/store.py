@@ -62,37 +62,7 @@ def decode_record(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> dict[str, s
             for k, v in raw.items()}
 
 
-# KEYS[1]=job hash, KEYS[2]=done list, KEYS[3] (optional)=flag key set to "1" when the job exists;
-# ARGV[1]=allowed current statuses (comma separated), ARGV[2]=new status, ARGV[3]=ttl seconds (0 = keep the
-# record's TTL), ARGV[4]=1 if the new status is final, ARGV[5]=done-list TTL, ARGV[6]=batch key prefix,
-# ARGV[7]=the batch id prefix of the job's tenant, ARGV[8..]=field, value pairs.
-# A final transition of a batch's job (a record with ``batch_id``) also counts it in its batch hash
-# (``n_<status>``), so each request is counted exactly once, by whoever ended it; only a batch of the job's own
-# tenant is counted, whatever a forged record names (that key is derived from the record: a single-node Redis or
-# Valkey, not Redis Cluster).
-# Returns the previous status, false if the job is missing, or "!<status>" if the transition was refused.
-# Run as the function ``transition`` of the library in ``vlmq.functions`` (FCALL; tenants hold no EVAL).
-TRANSITION = """
-local cur = redis.call('HGET', KEYS[1], 'status')
-if not cur then return false end
-local ttl = tonumber(ARGV[3])
-if KEYS[3] then redis.call('SET', KEYS[3], '1', 'EX', math.max(ttl, 1)) end
-local allowed = false
-for s in string.gmatch(ARGV[1], '[^,]+') do if s == cur then allowed = true end end
-if not allowed then return '!' .. cur end
-redis.call('HSET', KEYS[1], 'status', ARGV[2])
-for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
-if ARGV[4] == '1' then
-  redis.call('RPUSH', KEYS[2], ARGV[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[5])
-  local batch = redis.call('HGET', KEYS[1], 'batch_id')
-  if batch and string.sub(batch, 1, #ARGV[7]) == ARGV[7] and redis.call('EXISTS', ARGV[6] .. batch) == 1 then
-    redis.call('HINCRBY', ARGV[6] .. batch, 'n_' .. ARGV[2], 1)
-  end
-end
-return cur
-"""
+TRANSITION = functions.TRANSITION  # the script (vlmq.functions holds the library's sources)
 
 
 def transition(redis: Any, job_id: str, allowed: Iterable[JobStatus], new: JobStatus,
