@@ -273,14 +273,18 @@ def _result(storage: Storage, job_id: str) -> dict[str, Any] | None:
         return None
 
 
+def _choice(choice: dict[str, Any]) -> dict[str, Any]:
+    logprobs = {"content": choice["logprobs"], "refusal": None} if "logprobs" in choice else None
+    return {"index": choice["index"], "message": {"role": "assistant", "content": choice["text"], "refusal": None},
+            "logprobs": logprobs, "finish_reason": choice["finish_reason"]}
+
+
 def output_line(record: dict[str, str], doc: dict[str, Any]) -> dict[str, Any]:
     """One line of the output file: the request's answer as an OpenAI chat completion."""
     usage = doc["usage"]
     body = {"id": f"chatcmpl-{record['id']}", "object": "chat.completion",
             "created": int(float(record.get("finished_at", doc.get("finished_at", 0)))), "model": doc["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": doc["text"], "refusal": None},
-                         "logprobs": {"content": doc["logprobs"], "refusal": None} if "logprobs" in doc else None,
-                         "finish_reason": doc["finish_reason"]}],
+            "choices": [_choice(c) for c in doc.get("choices") or [doc | {"index": 0}]],
             "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["generated_tokens"],
                       "total_tokens": usage["prompt_tokens"] + usage["generated_tokens"]}}
     return {"id": f"batch_req_{record['id']}", "custom_id": record.get("custom_id", ""),

@@ -44,7 +44,7 @@ MAX_CUSTOM_ID_CHARS = 512
 MAX_JSON_DEPTH = 32  # a request needs 7 levels (line, body, messages, message, content, part, image_url)
 # OpenAI account fields, with no bearing on the answer: accepted, no effect
 IGNORED_BODY_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
-_BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "temperature",
+_BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "stream", "temperature",
                           "seed"}) | DECODING_FIELDS
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included
@@ -150,8 +150,8 @@ def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Pat
         raise InvalidRequest(f"body field(s) {', '.join(unknown)} are not supported", code="unsupported_field")
     if not isinstance(body.get("model"), str):
         raise InvalidRequest("body.model must be a string", code="bad_model")
-    if body.get("n", 1) != 1 or body.get("stream", False) is not False:
-        raise InvalidRequest("n must be 1 and stream false (one answer per request)", code="unsupported_field")
+    if body.get("stream", False) is not False:
+        raise InvalidRequest("stream must be false (a batch line's answer is written whole)", code="unsupported_field")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None and (type(limit) is not int or limit < 1):
         raise InvalidRequest(f"max_tokens must be a positive integer, got {limit!r}", code="bad_max_new_tokens")

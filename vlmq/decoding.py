@@ -23,9 +23,10 @@ MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS = 16, 300, 20
 _RANGES = {"top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True), "repetition_penalty": (0.0, 10.0, False),
            "frequency_penalty": (-2.0, 2.0, True), "presence_penalty": (-2.0, 2.0, True)}
 _DEFAULTS = {"stop": [], "stop_token_ids": [], "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-             "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": [], "min_tokens": 0}
+             "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": [], "min_tokens": 0, "n": 1}
 FIELDS = frozenset({"stop", "stop_token_ids", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-                    "presence_penalty", "logit_bias", "min_tokens", "logprobs", "top_logprobs", "response_format"})
+                    "presence_penalty", "logit_bias", "min_tokens", "logprobs", "top_logprobs", "response_format", "n"})
+MAX_N = 16  # choices per request
 MAX_FORMAT_CHARS, MAX_CHOICES = 65536, 256
 # response_format types and the one field each carries (OpenAI's json_object and json_schema; vlmq's others)
 _FORMATS = {"json_object": None, "json_schema": "json_schema", "regex": "regex", "choice": "choice",
@@ -95,7 +96,8 @@ def from_record(record: Mapping[str, str]) -> dict[str, Any]:
 
 
 def engine_controls(decoding: Mapping[str, Any]) -> dict[str, Any]:
-    """The engine Request's keyword arguments for checked controls (tuples where the engine keeps tuples)."""
+    """The engine Request's keyword arguments for checked controls (tuples where the engine keeps tuples); ``n`` is
+    the backend's (choices), not the engine request's: callers take it out."""
     out = dict(decoding)
     for name in ("stop", "stop_token_ids"):
         if name in out:
@@ -110,6 +112,13 @@ def _stop_token_ids(ids: object) -> list[int]:
         raise InvalidRequest(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
                              code="bad_stop")
     return list(ids)
+
+
+def _n(value: object) -> int:
+    if not _is_int(value) or not 1 <= value <= MAX_N:
+        raise InvalidRequest(f"n must be an integer from 1 to {MAX_N} (choices per request), got {value!r}",
+                             code="bad_n")
+    return value
 
 
 def _top_k(value: object) -> int:
@@ -211,5 +220,5 @@ def _is_number(value: object) -> bool:
 
 
 _CHECKS = {"stop": _stop, "stop_token_ids": _stop_token_ids, "top_k": _top_k, "logit_bias": _logit_bias,
-           "response_format": _response_format}
+           "response_format": _response_format, "n": _n}
 

@@ -116,6 +116,7 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     t2 = time.monotonic()
     temperature, seed = rules.sampling(record)  # checked with the record (check_record)
     chat = messages is not None
+    controls = engine_controls(decoding.from_record(record))  # checked with the record
     request = GenRequest(job_id, None if chat else images[0], record.get("prompt", ""),
                          int(record["max_new_tokens"]), messages=messages, images=images if chat else (),
                          ignore_eos=record.get("ignore_eos") == "1", priority=int(record.get("priority", 5)),
@@ -123,7 +124,7 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
                          max_text_tokens=ctx.settings.text_token_bound,
                          canceled=lambda: bool(ctx.redis.exists(keys.canceled(job_id))),
                          cache_salt=cache_salt(job_id, ctx.settings),
-                         controls=engine_controls(decoding.from_record(record)))  # checked with the record
+                         controls=controls, n=controls.pop("n", 1))
     try:
         output = ctx.batcher.submit(request).result()
     except HandBack:
@@ -154,6 +155,12 @@ def fetch_input(ctx: WorkerContext, input_key: str) -> bytes:
     return data
 
 
+def choice_doc(index: int, out: GenOutput) -> dict[str, Any]:
+    """One of n choices in the result document."""
+    return {"index": index, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+            **({"logprobs": out.logprobs} if out.logprobs is not None else {})}
+
+
 def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOutput,
             timings: dict[str, float], sampling: dict[str, Any]) -> str:
     if ctx.redis.exists(keys.canceled(job_id)):
@@ -169,11 +176,12 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
     doc = {
         "job_id": job_id, "model": record["model"], "text": out.text, "token_ids": out.token_ids,
         "finish_reason": out.finish_reason,
-        "usage": {"prompt_tokens": out.prompt_tokens, "image_tokens": out.image_tokens,
-                  "generated_tokens": len(out.token_ids)},
+        "usage": {"prompt_tokens": out.prompt_tokens, "image_tokens": out.image_tokens,  # the prompt billed once
+                  "generated_tokens": sum(len(c.token_ids) for c in out.choices or [out])},
         "sampling": sampling,  # what was applied: temperature 0 is greedy (and its seed None)
         **({"decoding": decoding.from_record(record)} if record.get("decoding") else {}),
         **({"logprobs": out.logprobs} if out.logprobs is not None else {}),
+        **({"choices": [choice_doc(i, c) for i, c in enumerate(out.choices)]} if out.choices else {}),
         "timings": timings, "worker": ctx.name, "finished_at": now(),
     }
     key = keys.result_object(job_id)

@@ -50,16 +50,19 @@ def test_decoding_controls_reach_the_engine_and_come_back(redis_url: str, tmp_pa
     (tmp_path / "a.png").write_bytes(images[1])
     batch_file = tmp_path / "batch.jsonl"
     batch_file.write_text(json.dumps({"custom_id": "line", "method": "POST", "url": "/v1/chat/completions", "body": {
-        "model": "tiny-shapes", "max_tokens": MAX_NEW, "stop": stop, "logprobs": True, "top_logprobs": 1,
+        "model": "tiny-shapes", "max_tokens": MAX_NEW, "stop": stop, "logprobs": True, "top_logprobs": 1, "n": 2,
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
                                                   {"type": "text", "text": QUESTION}]}]}}) + "\n")
     [line_direct] = engine.generate([Request(pil[1], QUESTION, MAX_NEW, stop=(stop,), logprobs=1)])
+    sampled = engine.generate([Request(pil[2], QUESTION, MAX_NEW, temperature=1.0, seed=5 + i) for i in range(3)])
     engine.close()
     settings = Settings(broker_url=redis_url, storage_url=(tmp_path / "store").as_uri())
     with ready_worker(redis_url, settings, tmp_path / "worker.log"), Client(settings=settings) as client:
         jobs = [client.submit(images[n], QUESTION, max_new_tokens=MAX_NEW, ignore_eos=n == 0, decoding=c)
                 for n, c in enumerate(controls)]
         results = [job.result(timeout=240) for job in jobs]
+        three = client.submit(images[2], QUESTION, max_new_tokens=MAX_NEW, temperature=1.0, seed=5,
+                              decoding={"n": 3}).result(timeout=240)
         for bad, named in [({"best_of": 2}, "best_of"), ({"top_p": 0}, "top_p"), ({"stop": ["a"] * 5}, "stop"),
                            ({"top_logprobs": 3}, "top_logprobs"), ({"logit_bias": {"x": 1}}, "logit_bias")]:
             with pytest.raises(InvalidRequest, match=named):  # refused at submit, by name
@@ -77,7 +80,12 @@ def test_decoding_controls_reach_the_engine_and_come_back(redis_url: str, tmp_pa
     assert [e["logprob"] for e in logprobs] == pytest.approx([e.logprob for e in direct[0].logprobs], abs=1e-6)
     assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 and isinstance(e["token"], str) for e in logprobs)
     assert results[0].raw["decoding"] == {"stop": [stop], "logprobs": 2}  # what was applied, in the result
-    choice = line["response"]["body"]["choices"][0]
+    assert [c["token_ids"] for c in three.raw["choices"]] == [s.token_ids for s in sampled]  # choice i: seed + i
+    assert three.usage["generated_tokens"] == sum(len(s.token_ids) for s in sampled)
+    assert three.usage["prompt_tokens"] == sampled[0].prompt_tokens  # the prompt billed once
+    choices = line["response"]["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1] and choices[0]["message"] == choices[1]["message"]  # greedy
+    choice = choices[0]
     assert choice["message"]["content"] == line_direct.text and choice["finish_reason"] == "stop"
     content = choice["logprobs"]["content"]
     assert [e["logprob"] for e in content] == pytest.approx([e.logprob for e in line_direct.logprobs], abs=1e-6)

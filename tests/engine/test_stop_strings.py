@@ -159,3 +159,24 @@ def test_the_worker_backends_apply_stop_or_refuse_it_by_name() -> None:
     assert out.finish_reason is FinishReason.STOP and out.text == free.text.split(stop)[0]
     [refused] = HFBackend(str(TINY)).generate([GenRequest("hf", img, question, MAX_NEW, controls={"stop": (stop,)})])
     assert isinstance(refused, InvalidRequest) and refused.code == "unsupported_control" and "stop" in str(refused)
+
+
+def test_n_choices_share_the_prompt_and_each_draws_its_own_seed() -> None:
+    from vlmq.workers.backends.base import GenRequest
+    from vlmq.workers.backends.engine import EngineBackend
+
+    img, question = image(5), QUESTIONS[0]
+    backend = EngineBackend(str(TINY), "cpu", num_blocks=512)
+    try:
+        alone = [backend.generate([GenRequest(f"a{i}", img, question, MAX_NEW, temperature=1.0, seed=40 + i)])[0]
+                 for i in range(4)]
+        before = backend.cache_stats()["prefix_cache_hit_tokens"]
+        [out] = backend.generate([GenRequest("n", image(6), question, MAX_NEW, temperature=1.0, seed=40, n=4)])
+        hits = backend.cache_stats()["prefix_cache_hit_tokens"] - before
+        [seeded] = backend.generate([GenRequest("n", img, question, MAX_NEW, temperature=1.0, seed=40, n=4)])
+    finally:
+        backend.close()
+    assert [c.token_ids for c in seeded.choices] == [a.token_ids for a in alone]  # choice i: seed + i
+    assert seeded.token_ids == seeded.choices[0].token_ids and len(out.choices) == 4
+    # the prompt computed once: the other three choices read its full blocks from the prefix cache
+    assert hits >= 3 * (out.prompt_tokens // 16 - 1) * 16

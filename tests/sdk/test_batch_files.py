@@ -91,7 +91,7 @@ def test_every_bad_line_is_refused_with_its_number_and_nothing_is_enqueued(clien
         line("x5", "missing.png"), line("x6", "data:image/png;base64,!!!"), line("x7", "img.png", max_tokens=0),
         line("x8", "img.png", max_tokens=10**6), line("x9", "img.png", text="<|image_pad|>"),
         line("ok-3", "img.png"),  # a custom_id used by an earlier line
-        line("x10", "img.png").replace('"tiny-shapes"', '"gpt-4o"'), line("x11", "img.png", n=2),
+        line("x10", "img.png").replace('"tiny-shapes"', '"gpt-4o"'), line("x11", "img.png", n=17),
         line("x12", "img.png", tools=[]), line("x13", "s3://elsewhere/cat.png"),
         line("x14", data_url(b"GIF89a not really")),
         # text-only and assistant turns are requests now (issue 29): these two are too many images and a bad part

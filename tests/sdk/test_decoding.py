@@ -13,9 +13,9 @@ EVERY = {"stop": ["\n\n", "END"], "stop_token_ids": [2, 7], "top_p": 0.9, "top_k
 
 
 def test_every_field_is_kept_in_the_engines_form_and_reads_back_from_the_record() -> None:
-    assert set(EVERY) == FIELDS - {"response_format"}
+    assert set(EVERY) == FIELDS - {"response_format", "n"}
     checked = check_decoding(EVERY, max_new_tokens=64)
-    assert set(checked) == FIELDS - {"top_logprobs", "response_format"}  # the number of alternatives is logprobs' value
+    assert set(checked) == FIELDS - {"top_logprobs", "response_format", "n"}  # top_logprobs: logprobs = n
     assert checked["logit_bias"] == [[7, 2.5], [12, -100.0]] and checked["logprobs"] == 4
     assert "top_logprobs" not in checked and checked["stop"] == ["\n\n", "END"]
     assert from_record({"decoding": to_json(checked)}) == checked
@@ -31,7 +31,7 @@ def test_defaults_and_nulls_are_no_controls() -> None:
 
 
 @pytest.mark.parametrize(("fields", "code", "named"), [
-    ({"best_of": 2}, "unknown_field", "best_of"), ({"n": 2}, "unknown_field", "n"),
+    ({"best_of": 2}, "unknown_field", "best_of"), ({"n": 17}, "bad_n", "n must"), ({"n": 0}, "bad_n", "n must"),
     ({"stop": ["a"] * 5}, "bad_stop", "stop"), ({"stop": [""]}, "bad_stop", "stop"), ({"stop": 3}, "bad_stop", "stop"),
     ({"stop_token_ids": [-1]}, "bad_stop", "stop_token_ids"), ({"top_p": 0}, "bad_sampling", "top_p"),
     ({"top_p": 1.5}, "bad_sampling", "top_p"), ({"top_k": 2.5}, "bad_sampling", "top_k"),

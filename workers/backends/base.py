@@ -31,6 +31,7 @@ class GenRequest:
     # decoding controls, by the engine Request's field names (stop, stop_token_ids, top_p, top_k, min_p,
     # repetition/frequency/presence_penalty, logit_bias, min_tokens, logprobs); checked by vlmq.decoding at submit
     controls: dict[str, Any] = field(default_factory=dict)
+    n: int = 1  # choices: n answers from one prompt (its KV computed once: the prefix cache shares it)
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class GenOutput:
     # where the request asked (controls "logprobs"): one per token, in OpenAI's shape ({"token", "logprob",
     # "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]})
     logprobs: list[dict[str, Any]] | None = None
+    choices: list[GenOutput] | None = None  # with n > 1: every choice, the first being this output's own fields
 
 
 class Backend(ABC):

@@ -3,6 +3,7 @@
 Jobs join the running engine between steps (`start`/`step`); `generate` runs a batch to completion."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -39,33 +40,58 @@ class EngineBackend(StreamingBackend):
         self._num_steps = 0
         self._logged_tiers = ""
         self._retired: dict[str, int] = {}  # counters of the engines that failed and were replaced
+        self._groups: dict[str, dict[str, RequestOutput | None]] = {}  # n > 1: first handle -> its choices' outputs
+        self._root: dict[str, str] = {}  # a choice's engine request id -> its job's handle
 
     def start(self, request: GenRequest) -> str:
-        handle = self.engine.add_request(engine_request(request))
-        self._live[handle] = request
-        return handle
+        handles = [self.engine.add_request(r) for r in choice_requests(request)]
+        self._live[handles[0]] = request
+        if len(handles) > 1:  # n choices: one job, one result once all are done
+            self._groups[handles[0]] = {h: None for h in handles}
+            self._root.update((h, handles[0]) for h in handles)
+        return handles[0]
 
     def step(self) -> list[tuple[str, GenOutput | Exception]]:
         if self._num_steps % self.cancel_poll_every == 0:
             for handle in [h for h, r in self._live.items() if h not in self._aborted and is_canceled(r)]:
-                self.engine.abort(handle)  # its output (tokens so far, "canceled") comes from the next step
+                for choice in self._groups.get(handle, (handle,)):
+                    self.engine.abort(choice)  # its output (tokens so far, "canceled") comes from the next step
                 self._aborted.add(handle)
         self._num_steps += 1
         try:
             outputs = self.engine.step()
         except Exception:  # a failed step leaves the engine mid-step: start a fresh one, then isolate the culprit
             live, self._live = self._live, {}
+            self._groups.clear()
+            self._root.clear()
             log.exception("engine step failed with %d requests in it; retrying them one by one on a fresh engine",
                           len(live))
             self._reset()
             return [(handle, self._one(request)) for handle, request in live.items()]
         tokenizer = self.engine.tokenizer
-        done = [(o.request_id, _gen_output(o, tokenizer)) for o in outputs
-                if self._live.pop(o.request_id, None) is not None]
+        done = [(h, _choices_output(outs, tokenizer)) for h, outs in self._gathered(outputs)
+                if self._live.pop(h, None) is not None]
         self._aborted.difference_update(h for h, _ in done)
         if done and self.kv_store is not None:
             self._log_tiers()
         return done
+
+    def _gathered(self, outputs: list[RequestOutput]) -> list[tuple[str, list[RequestOutput]]]:
+        # each finished job's outputs: one, or its n choices once the last of them is done
+        ready = []
+        for out in outputs:
+            root = self._root.get(out.request_id)
+            if root is None:
+                ready.append((out.request_id, [out]))
+                continue
+            group = self._groups[root]
+            group[out.request_id] = out
+            if all(o is not None for o in group.values()):
+                del self._groups[root]
+                for h in group:
+                    self._root.pop(h, None)
+                ready.append((root, list(group.values())))
+        return ready
 
     def _log_tiers(self) -> None:
         stats = self.cache_stats()
@@ -96,8 +122,7 @@ class EngineBackend(StreamingBackend):
 
     def _one(self, request: GenRequest) -> GenOutput | Exception:
         try:
-            out = self.engine.generate([engine_request(request)])[0]
-            return _gen_output(out, self.engine.tokenizer)
+            return _choices_output(self.engine.generate(choice_requests(request)), self.engine.tokenizer)
         except Exception as e:  # returned in its slot; the worker fails this job alone
             log.exception("job %s failed alone on the engine", request.job_id)
             self._reset()
@@ -138,6 +163,23 @@ def engine_request(request: GenRequest) -> Request:
     if request.messages is not None:
         return Request.chat(request.messages, request.images, **options)
     return Request(request.image, request.prompt, **options)
+
+
+def choice_requests(request: GenRequest) -> list[Request]:
+    """The engine requests of a job: one, or one per choice (a seeded job's choice i draws with seed + i)."""
+    base = engine_request(request)
+    if request.n == 1:
+        return [base]
+    return [dataclasses.replace(base, seed=None if base.seed is None else base.seed + i) for i in range(request.n)]
+
+
+def _choices_output(outs: list[RequestOutput], tokenizer) -> GenOutput | Exception:
+    results = [_gen_output(o, tokenizer) for o in outs]
+    failed = next((r for r in results if isinstance(r, Exception)), None)
+    if failed is not None or len(results) == 1:
+        return failed or results[0]
+    first = results[0]
+    return dataclasses.replace(first, choices=results)
 
 
 def _gen_output(out: RequestOutput, tokenizer) -> GenOutput | Exception:
