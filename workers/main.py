@@ -67,6 +67,12 @@ def check_device(device: str) -> None:
         raise SystemExit(f"vlmq worker: cannot use device {device!r}: {reason}")
 
 
+def storage_timeout(settings: Settings) -> float:
+    """Seconds one object-store call may wait: a quarter of VLMQ_STORAGE_RETRY (1 to 30 s), so that a frozen store
+    fails calls, retried within the retry window, instead of holding a job past it."""
+    return min(30.0, max(1.0, settings.storage_retry / 4))
+
+
 def default_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -90,7 +96,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     shared = worker_queues(spec, settings, settings.worker_classes)
     classes = [c for c in cost_classes(settings).names if keys.queue(spec.name, c) in shared]
     name = name or default_name()
-    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url, timeout=storage_timeout(settings))
     kv_store = None
     if settings.backend == "engine":
         from vlmq.workers.kvstore import store_from_settings
