@@ -87,6 +87,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     from vlmq.workers.fleet import FleetReporter
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
+    from vlmq.workers.orphans import start_orphan_sweeper
     from vlmq.workers.retention import start_sweeper
 
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
@@ -117,6 +118,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> None:
     app = make_worker_app(settings, ctx, budget, first=frozenset(own))
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
     start_sweeper(settings, ctx.redis, ctx.storage, name)
+    start_orphan_sweeper(settings, ctx.redis, name)
     fleet.start(getattr(backend, "archive_model_hash", None))  # set by a backend that archives KV
     log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
              settings.backend, list(budget.queue_costs))

@@ -95,7 +95,7 @@ def test_every_setting_round_trips_through_the_environment() -> None:
                        models={"a": "/m/a", "b": "/m/b"}, cost_classes="xs=100,xl", text_token_bound=7,
                        max_image_bytes=8, max_image_pixels=9, job_ttl=10, max_new_tokens=11, max_prompt_chars=12,
                        max_queue_depth="xs=3", visibility_timeout=13, max_attempts=14, shutdown_grace=15,
-                       storage_retry=16, worker_budget=17, worker_batch=18, worker_classes="xs", backend="hf",
+                       storage_retry=16, orphan_grace=22, worker_budget=17, worker_batch=18, worker_classes="xs", backend="hf",
                        device="cuda:1", tenant="acme", retention=19, webhook_allow="127.0.0.1/32",
                        webhook_url="https://example.com/h", webhook_secrets="whsec_x", webhook_retry_schedule="1,2.5",
                        webhook_timeout=2.5, webhook_concurrency=3, webhook_inline_max=4, webhook_poll=0.25,
