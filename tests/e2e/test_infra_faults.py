@@ -81,7 +81,7 @@ def test_infrastructure_errors_are_told_from_job_faults(tmp_path: Path) -> None:
         admin = redis_lib.Redis.from_url(server.url)
         admin.config_set("busy-reply-threshold", 10)  # ms a script runs before others get BUSY
         spin = threading.Thread(target=lambda: redis_lib.Redis.from_url(server.url).eval(
-            "local t = redis.call('TIME'); while redis.call('TIME')[1] - t[1] < 1 do end", 0))
+            "local t = redis.call('TIME'); while redis.call('TIME')[1] - t[1] < 2 do end", 0))
         spin.start()
         time.sleep(0.3)
         with pytest.raises(redis_lib.ResponseError) as busy:
@@ -126,3 +126,50 @@ def test_a_frozen_object_store_is_an_infrastructure_error(s3_server) -> None:
     assert faults.is_infra(frozen.value)
     with pytest.raises(KeyError):
         S3Storage("vlmq-test", endpoint_url=s3_server.url).get("results/missing.json")
+
+
+class FreezingBackend(EchoBackend):
+    """Echoes, but freezes the object store (SIGSTOP) while the model runs: the result write meets the freeze."""
+
+    def __init__(self, moto: Any) -> None:
+        super().__init__()
+        self.moto, self.freeze = moto, True
+
+    def generate(self, requests: list[GenRequest]) -> list[GenOutput | Exception]:
+        if self.freeze:
+            self.moto.proc.send_signal(signal.SIGSTOP)
+        return super().generate(requests)
+
+
+def test_a_result_write_during_a_storage_freeze_is_retried_then_handed_back(redis_url: str, redis_client) -> None:
+    import boto3
+
+    from vlmq.embedded import start_moto
+    from vlmq.workers.main import storage_timeout
+
+    moto = start_moto()
+    try:
+        boto3.client("s3", endpoint_url=moto.url).create_bucket(Bucket="frozen")
+        settings = Settings(broker_url=redis_url, storage_url="s3://frozen/p", s3_endpoint_url=moto.url,
+                            storage_retry=4)
+        storage = S3Storage("frozen", "p", endpoint_url=moto.url, timeout=storage_timeout(settings))
+        backend = FreezingBackend(moto)
+        ctx = WorkerContext(settings, redis_client, storage, Batcher(backend, 4), "tiny-shapes", "unit")
+        with Client(settings=settings) as client:
+            job = client.submit(png(), "What colour?", max_new_tokens=3)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(HandBack, match="object store unreachable"):
+                    run_job(ctx, job.id)
+            finally:
+                moto.proc.send_signal(signal.SIGCONT)
+            assert time.monotonic() - t0 < 4 * settings.storage_retry, "the freeze held the job past the retry"
+            from vlmq.workers.app import hand_back
+
+            hand_back(ctx, job.id)
+            assert job.status() is JobStatus.QUEUED and job.info()["attempts"] == "0"
+            backend.freeze = False
+            assert run_job(ctx, job.id) == "finished"  # a write that landed during the freeze would be kept
+            assert job.result(timeout=5).text == "echo: What colour?"
+    finally:
+        moto.stop()
