@@ -143,8 +143,9 @@ def test_every_job_finishes_exactly_once_through_combined_faults(tmp_path: Path)
         pool.stop()
     lines = [ln for f in sorted(tmp_path.glob("w*.log")) for ln in f.read_text(errors="replace").splitlines()]
     failed_tasks = [ln for ln in lines if "raised unexpected" in ln]
+    handed = sum("handed back" in ln or "handing back" in ln for ln in lines)
     print(f"\ncombined faults: {len(job_ids)} jobs, faults {dict(pool.faults)}, {time.monotonic() - t0:.0f} s, "
-          f"orphans re-sent {resent}, unacked left {held}, hand-backs {sum('handed back' in ln or 'handing back' in ln for ln in lines)}, "
+          f"orphans re-sent {resent}, unacked left {held}, hand-backs {handed}, "
           f"failed Celery tasks {len(failed_tasks)}")
     # no infrastructure error reached Celery as a failed task (those are acked: the path that lost jobs)
     assert not failed_tasks, f"Celery saw {len(failed_tasks)} failed tasks: {failed_tasks[:5]}"
