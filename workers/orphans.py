@@ -6,7 +6,8 @@ second of AOF, a failover to a lagging replica, a bug nobody foresaw). Every wor
 ``SET NX EX`` lock (``keys.orphan_lock``) lets one worker sweep per period across the fleet, like the
 retention sweep.
 
-A sweep reads the active records, then every message (queue lists, then kombu's unacked hash). Those reads
+A sweep reads the active records older than that threshold (none: it stops there, so a healthy pool whose
+jobs end within it never reads a message), then every message (queue lists, then kombu's unacked hash). Those reads
 are not one atomic step, so a message moving between structures could look missing once; a job is re-sent
 only when it was missing in sweeps at least ``visibility_timeout + orphan_grace`` seconds apart and is still
 active. The re-send is one script: if the record is still active, its message (rebuilt from the record:
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 SCAN_COUNT = 1000
 ACTIVE = (JobStatus.QUEUED.value, JobStatus.STARTED.value)
 COUNTER_TTL = 30 * 24 * 3600  # the re-sent counter lives a month past its last increment
-FIELDS = ("status", "model", "cost_class", "priority")
+FIELDS = ("status", "model", "cost_class", "priority", "created_at")
 
 # KEYS[1] the record, KEYS[2] the queue list, KEYS[3] the queue's wake list, KEYS[4] the fleet's counter;
 # ARGV[1] the message, ARGV[2] the counter's TTL, ARGV[3] now. Returns 1 if re-sent, 0 if the job ended meanwhile.
@@ -100,6 +101,13 @@ def message_ids(redis: Any) -> set[str]:
     return ids
 
 
+def _created(record: dict[str, str]) -> float:
+    try:
+        return float(record["created_at"])
+    except ValueError:  # a record without a readable stamp is treated as old
+        return 0.0
+
+
 class OrphanSweeper:
     """Re-sends the message of every active job whose message is nowhere, once per period per fleet.
 
@@ -130,8 +138,9 @@ class OrphanSweeper:
         if not self.redis.set(keys.orphan_lock(), self.name or "1", nx=True, ex=max(1, round(self.period))):
             return None
         now = self.clock()
-        active = active_jobs(self.redis)
-        present = message_ids(self.redis)
+        # a job younger than the threshold cannot be due; without old active jobs no message is read at all
+        active = {job_id: r for job_id, r in active_jobs(self.redis).items() if now - _created(r) >= self.after}
+        present = message_ids(self.redis) if active else set()
         seen = {k.decode(): float(v) for k, v in self.redis.hgetall(keys.orphans_seen()).items()}
         missing = {job_id: seen.get(job_id, now) for job_id in active if job_id not in present}
         due = [job_id for job_id, since in missing.items() if now - since >= self.after]
