@@ -25,7 +25,7 @@ from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.batcher import Batcher
 from vlmq.workers.jobrunner import WorkerContext, run_job
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 class CuttingBackend(EchoBackend):

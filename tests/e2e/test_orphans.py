@@ -19,7 +19,7 @@ from vlmq.jobs import JobStatus
 from vlmq.settings import Settings
 from vlmq.workers.orphans import OrphanSweeper, message_ids
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPT = "Describe the image."
 
 
