@@ -37,11 +37,12 @@ COUNTER_TTL = 30 * 24 * 3600  # the re-sent counter lives a month past its last 
 FIELDS = ("status", "model", "cost_class", "priority", "created_at")
 
 # KEYS[1] the record, KEYS[2] the queue list, KEYS[3] the queue's wake list, KEYS[4] the fleet's counter;
-# ARGV[1] the message, ARGV[2] the counter's TTL, ARGV[3] now. Returns 1 if re-sent, 0 if the job ended meanwhile.
+# ARGV[1] the message, ARGV[2] the counter's TTL, ARGV[3] now, ARGV[4] the queue. Returns 1 if re-sent, 0 if the
+# job ended meanwhile.
 RESEND_SCRIPT = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'queued' and status ~= 'started' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'queued_again_at', ARGV[3])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'queued_again_at', ARGV[3], 'queue', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'resent', 1)
 redis.call('LPUSH', KEYS[2], ARGV[1])
 redis.call('LPUSH', KEYS[3], '1')
@@ -166,7 +167,8 @@ class OrphanSweeper:
             return 0
         message = self.writer.message(job_id, queue, priority)
         done = self.redis.eval(RESEND_SCRIPT, 4, keys.job(job_id), keys.priority_list(queue, priority),
-                               keys.wake(queue), keys.orphans_resent(), message, COUNTER_TTL, repr(self.clock()))
+                               keys.wake(queue), keys.orphans_resent(), message, COUNTER_TTL, repr(self.clock()),
+                               queue)
         if done:
             log.warning("job %s was %s with its message lost; re-sent it to %s", job_id, record["status"], queue)
         return int(done)

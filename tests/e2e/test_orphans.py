@@ -67,6 +67,7 @@ def test_a_job_whose_message_is_lost_is_resent_once_after_the_grace(redis_url: s
         assert again_name == keys.priority_list(keys.queue("tiny-shapes", lost.info()["cost_class"]), 3)
         assert json.loads(again)["properties"]["delivery_info"]["routing_key"] == keys.shared_queue(again_name[:-2])
         assert lost.info()["resent"] == "1" and lost.status() is JobStatus.QUEUED
+        assert lost.info()["queue"] == keys.queue("tiny-shapes", lost.info()["cost_class"])
         assert "resent" not in kept.info() and "resent" not in ended.info()
         assert orphans_resent(redis_client) == 1
         redis_client.delete(keys.orphan_lock())
