@@ -78,6 +78,11 @@ def _ages(redis: Any, job_ids: Sequence[str], now: float) -> list[float]:
     return [max(0.0, now - float(at)) for at in pipe.execute() if at]
 
 
+def orphans_resent(redis: Any) -> int:
+    """Messages the orphan sweep re-sent from job records across the fleet (``vlmq.workers.orphans``)."""
+    return int(redis.get(keys.orphans_resent()) or 0)
+
+
 def read_hashes(redis: Any, prefix: str) -> dict[str, dict[str, str]]:
     """Every hash whose key starts with ``prefix``, by the rest of its key (as text), in key order."""
     names = sorted(k.decode() if isinstance(k, bytes) else k for k in redis.scan_iter(match=f"{prefix}*", count=500))
@@ -102,10 +107,12 @@ def _rate(now: Mapping[str, str], before: Mapping[str, str] | None, name: str) -
 
 
 def render_top(queues: Sequence[QueueStats], workers: Mapping[str, Mapping[str, str]],
-               previous: Mapping[str, Mapping[str, str]] | None = None) -> str:
-    """The ``vlmq top`` screen: one row per queue, one per worker (token rates against ``previous``)."""
+               previous: Mapping[str, Mapping[str, str]] | None = None, resent: int = 0) -> str:
+    """The ``vlmq top`` screen: one row per queue, one per worker (token rates against ``previous``), and how many
+    lost messages the orphan sweep re-sent (``resent``)."""
     lines = [f"{'model':<20} {'class':<6} {'waiting':>8} {'held':>6} {'oldest s':>9}"]
     lines += [f"{q.model:<20} {q.cost_class:<6} {q.waiting:>8} {q.held:>6} {q.oldest_age_s:>9.1f}" for q in queues]
+    lines += ["", f"lost messages re-sent from job records: {resent}"]
     lines += ["", f"{len(workers)} worker(s)",
               f"{'worker':<28} {'model':<14} {'device':<8} {'held':>4} {'cost/budget':>13} {'done':>6} "
               f"{'failed':>6} {'tok/s in':>9} {'tok/s out':>9}"]
@@ -133,7 +140,8 @@ def run_top(settings: Any, interval: float = 2.0, once: bool = False) -> int:
     previous: dict[str, dict[str, str]] | None = None
     while True:
         workers = worker_statuses(client)
-        screen = render_top(queue_stats(client, watched_queues(settings, workers)), workers, previous)
+        screen = render_top(queue_stats(client, watched_queues(settings, workers)), workers, previous,
+                            orphans_resent(client))
         if once:
             print(screen, end="")
             return 0

@@ -371,6 +371,27 @@ def retention_lock() -> str:
     return f"{PREFIX}retention-sweep"
 
 
+def orphan_lock() -> str:
+    """``SET NX EX`` lock: the worker that sets it runs this period's orphan sweep (``vlmq.workers.orphans``)."""
+    return f"{PREFIX}orphan-sweep"
+
+
+def orphans_seen() -> str:
+    """Hash job id -> when the orphan sweep first found the job active with no message anywhere.
+
+    Written and read by the orphan sweep; it expires unless a sweep renews it.
+    """
+    return f"{PREFIX}orphans-seen"
+
+
+def orphans_resent() -> str:
+    """Counter of messages the orphan sweep re-sent from job records (``/metrics``, ``vlmq top``).
+
+    Written by the orphan sweep; its TTL is renewed on every increment.
+    """
+    return f"{PREFIX}orphans-resent"
+
+
 # kombu's Redis transport: the restore sweep's mutex (UNACKED and UNACKED_INDEX are above)
 UNACKED_MUTEX = f"{UNACKED}_mutex"
 # exchange bindings: ``_kombu.binding.<exchange>`` and ``_kombu.binding_permanent.<exchange>`` (sets of the queues

@@ -3,8 +3,8 @@
 Messages are JSON (msgpack also accepted); pickle is never accepted. The
 reliability settings: late acks (a message is acked only after its job's
 status is durable), reject on worker lost (a crashed pool requeues instead of
-acking), no prefetch (a worker holds only what it works on; see
-``vlmq.workers.costgate``).
+acking), no ack on failure or timeout (see ``docs/guarantees.md``), no
+prefetch (a worker holds only what it works on; see ``vlmq.workers.costgate``).
 """
 from __future__ import annotations
 
@@ -51,7 +51,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_ignore_result": True,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
-        "task_acks_on_failure_or_timeout": True,
+        # a task never fails for a job's own fault (the worker ends the job and returns) nor for an
+        # infrastructure error (it rejects with requeue); what is left is a time limit, which requeues, and a
+        # failure Celery itself reports (docs/guarantees.md, "Infrastructure errors")
+        "task_acks_on_failure_or_timeout": False,
         "task_default_priority": DEFAULT_PRIORITY,
         "task_create_missing_queues": True,
         "worker_prefetch_multiplier": 1,

@@ -160,6 +160,9 @@ class Settings:
     shutdown_grace: int = _setting(30, WORKER, "seconds SIGTERM waits for running jobs before handing them back")
     storage_retry: int = _setting(300, WORKER, "seconds to retry an unreachable object store before handing a "
                                   "job back")
+    orphan_grace: int = _setting(60, WORKER, "seconds, beyond the visibility timeout, a queued or started job's "
+                                 "message may be missing from every queue and the unacked hash before the orphan "
+                                 "sweep re-sends it from the job record")
     worker_budget: int = _setting(32768, WORKER, "sum of class cost bounds it may hold at once, in tokens")
     worker_batch: int = _setting(16, WORKER, "most jobs it holds at once")
     worker_classes: str = _setting("", WORKER, "cost classes it consumes, e.g. `xs,s`",
@@ -240,8 +243,8 @@ class Settings:
         if self.speculative not in ("", "none") and (kind not in ("ngram", "draft", "head")
                                                      or (kind == "draft") != bool(sep and path)):
             raise ValueError(f"speculative must be ngram, draft:<path>, head or none, got {self.speculative!r}")
-        if min(self.shutdown_grace, self.storage_retry, self.retention) < 0:
-            raise ValueError("shutdown_grace, storage_retry and retention must not be negative")
+        if min(self.shutdown_grace, self.storage_retry, self.retention, self.orphan_grace) < 0:
+            raise ValueError("shutdown_grace, storage_retry, retention and orphan_grace must not be negative")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be a TCP port (0 = off), got {self.metrics_port}")
         if self.log_format not in LOG_FORMATS:

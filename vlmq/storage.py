@@ -268,14 +268,18 @@ class S3Storage(Storage):
 
     page_size = 1000  # keys per ListObjectsV2 call (S3's own maximum)
 
-    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None, client: Any = None) -> None:
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None, client: Any = None,
+                 timeout: float = 30.0) -> None:
         import boto3
         from botocore.config import Config
 
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        config = Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 3, "mode": "standard"})
+        # ``timeout`` bounds each socket wait, so a frozen store fails a call in about 3 x timeout (botocore's
+        # retries) instead of hanging: workers retry it within VLMQ_STORAGE_RETRY, then hand the job back
+        config = Config(connect_timeout=min(5.0, timeout), read_timeout=timeout,
+                        retries={"max_attempts": 3, "mode": "standard"})
         self.client = client or boto3.client("s3", endpoint_url=endpoint_url, config=config)
 
     def _key(self, key: str) -> str:
@@ -323,7 +327,13 @@ class S3Storage(Storage):
             raise BackendError(f"object store {self.url} failed reading {key}: {e}") from e
 
     def get(self, key: str) -> bytes:
-        return bytes(self._get_object(key)["Body"].read())
+        from botocore.exceptions import BotoCoreError
+
+        body = self._get_object(key)["Body"]
+        try:
+            return bytes(body.read())
+        except (BotoCoreError, OSError) as e:  # the store froze or went away mid-body
+            raise BackendError(f"object store {self.url} failed reading {key}: {e}") from e
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -395,12 +405,13 @@ class S3Storage(Storage):
         return data
 
 
-def open_storage(url: str, endpoint_url: str | None = None) -> Storage:
+def open_storage(url: str, endpoint_url: str | None = None, timeout: float = 30.0) -> Storage:
     """Open ``s3://bucket/prefix`` or ``file:///dir``.
 
     Args:
         url: the storage URL.
         endpoint_url: S3-compatible endpoint (ignored for ``file://``).
+        timeout: seconds an S3 call waits on its socket before it fails (ignored for ``file://``).
 
     Raises:
         ValueError: for any other scheme.
@@ -411,7 +422,7 @@ def open_storage(url: str, endpoint_url: str | None = None) -> Storage:
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ValueError(f"s3 URL needs a bucket: {url!r}")
-        return S3Storage(parsed.netloc, parsed.path, endpoint_url=endpoint_url)
+        return S3Storage(parsed.netloc, parsed.path, endpoint_url=endpoint_url, timeout=timeout)
     raise ValueError(f"storage URL must be s3://bucket/prefix or file:///dir, got {url!r}")
 
 

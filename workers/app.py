@@ -10,7 +10,7 @@ from vlmq.settings import Settings
 from vlmq.workers.batcher import HandBack
 from vlmq.workers.costgate import CostBudget, cost_gate_step
 from vlmq.workers.gate import Gate
-from vlmq.workers.jobrunner import WorkerContext, hand_back, run_job
+from vlmq.workers.jobrunner import Delivery, WorkerContext, hand_back, run_job
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,20 @@ def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget, 
 
     @app.task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)
     def vlmq_run_job(job_id: str) -> str:
+        delivery = Delivery()
         try:
-            status = run_job(ctx, job_id)
+            status = run_job(ctx, job_id, delivery)
         except HandBack as e:
-            # not the job's fault: requeue it unacked for this or another worker
-            hand_back(ctx, job_id)
+            # not the job's fault (an infrastructure error, a shutdown): requeue it for this or another worker;
+            # with the broker down the reject fails (logged by kombu) and the message, still in the unacked hash,
+            # comes back after the visibility timeout
+            hand_back(ctx, job_id, delivery.counted)
             raise Reject(str(e), requeue=True) from e
+        except Exception as e:
+            # a fault of ours, not the job's (run_job ends every job's own fault itself): never ack it; the
+            # attempt stays counted, so a fault that repeats ends the job as poison
+            log.exception("job %s: the worker failed serving it; requeueing its message", job_id)
+            raise Reject(f"{type(e).__name__}: {e}", requeue=True) from e
         _finalize_batch(ctx, job_id)
         return status
 

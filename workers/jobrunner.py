@@ -13,16 +13,17 @@ import redis as redis_lib
 
 from vlmq import decoding, keys, rules, store, webhooks
 from vlmq.decoding import engine_controls
-from vlmq.errors import BackendError, InvalidRequest, JobFailed
+from vlmq.errors import InvalidRequest, JobFailed
 from vlmq.images import ImageLimits
 from vlmq.jobs import JobStatus, now
 from vlmq.settings import Settings
 from vlmq.storage import Storage
-from vlmq.workers import metrics
+from vlmq.workers import faults, metrics
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.batcher import Batcher, HandBack
 from vlmq.workers.decode import decode
 from vlmq.workers.fleet import FleetReporter
+from vlmq.workers.handback import Delivery, OwedAttempts, hand_back
 from vlmq.workers.logs import job_context, phase
 
 log = logging.getLogger(__name__)
@@ -40,22 +41,36 @@ class WorkerContext:
     model: str
     name: str
     fleet: FleetReporter | None = None  # hot routes and counters for the fleet (None: this worker reports nothing)
+    owed: OwedAttempts | None = None  # attempts handed back while Redis was down, taken off once it is back
+
+    def __post_init__(self) -> None:
+        if self.owed is None:
+            self.owed = OwedAttempts(self.redis)
 
     @property
     def limits(self) -> ImageLimits:
         return ImageLimits(max_bytes=self.settings.max_image_bytes, max_pixels=self.settings.max_image_pixels)
 
 
-def hand_back(ctx: WorkerContext, job_id: str) -> None:
-    """Undo this delivery's bookkeeping: a handed-back job is queued again and was no crash."""
-    ctx.redis.hincrby(keys.job(job_id), "attempts", -1)
-    store.transition(ctx.redis, job_id, [JobStatus.STARTED], JobStatus.QUEUED)
-    log.info("job %s handed back to the queue", job_id, extra=phase("handed_back"))
+__all__ = ["Delivery", "WorkerContext", "hand_back", "run_job"]
 
 
-def run_job(ctx: WorkerContext, job_id: str) -> str:
-    """Serve one job end to end; returns the final status. Never raises for a job's own fault."""
-    status = _run_job(ctx, job_id)
+def run_job(ctx: WorkerContext, job_id: str, delivery: Delivery | None = None) -> str:
+    """Serve one job end to end; returns the final status. Never raises for a job's own fault; raises HandBack
+    for an infrastructure error anywhere (``vlmq.workers.faults``), which is never the job's failure."""
+    delivery = delivery or Delivery()
+    try:
+        return _run_and_announce(ctx, job_id, delivery)
+    except HandBack:
+        raise
+    except Exception as e:
+        if faults.is_infra(e):
+            raise HandBack(f"job {job_id}: {type(e).__name__}: {e}") from e
+        raise
+
+
+def _run_and_announce(ctx: WorkerContext, job_id: str, delivery: Delivery) -> str:
+    status = _run_job(ctx, job_id, delivery)
     if status in _FINAL:  # its webhook event, if any: queued (idempotently) for the delivery workers, never sent here
         try:
             webhooks.job_ended(ctx.redis, job_id, ctx.settings.job_ttl)
@@ -64,13 +79,13 @@ def run_job(ctx: WorkerContext, job_id: str) -> str:
     return status
 
 
-def _run_job(ctx: WorkerContext, job_id: str) -> str:
+def _run_job(ctx: WorkerContext, job_id: str, delivery: Delivery) -> str:
     record = store.read(ctx.redis, job_id)
     with job_context(job_id, record.get("model", ""), record.get("cost_class", "")):
-        return _run(ctx, job_id, record)
+        return _run(ctx, job_id, record, delivery)
 
 
-def _run(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
+def _run(ctx: WorkerContext, job_id: str, record: dict[str, str], delivery: Delivery) -> str:
     if not record:
         log.warning("job %s: no record; dropping its message", job_id, extra=phase("dropped"))
         return "missing"
@@ -82,6 +97,7 @@ def _run(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     except InvalidRequest as e:  # a forged or corrupt record: fail it alone, never serve it
         return _fail_record(ctx, job_id, record, e)
     attempts = ctx.redis.hincrby(keys.job(job_id), "attempts", 1)
+    delivery.counted = True  # from here a hand-back takes this attempt off again
     if attempts > ctx.settings.max_attempts:
         # every earlier delivery crashed its worker or timed out: stop the loop here
         return _fail(ctx, job_id, record, "poison", f"delivered {attempts} times; the previous {attempts - 1} "
@@ -97,6 +113,8 @@ def _run(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     except HandBack:
         raise
     except Exception as e:  # anything unexpected fails this job alone, with its traceback logged
+        if faults.is_infra(e):  # Redis or the store went away: not the job's fault, and _fail would need them
+            raise HandBack(f"job {job_id}: {type(e).__name__}: {e}") from e
         log.exception("job %s: unexpected failure", job_id, extra=phase("failed"))
         return _fail(ctx, job_id, record, "internal_error", f"{type(e).__name__}: {e}", True)
 
@@ -132,6 +150,8 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
     except InvalidRequest as e:  # the backend cannot ever serve this job (too long for its KV, ...)
         raise JobFailed(e.code, str(e)) from e
     except Exception as e:
+        if faults.is_infra(e):
+            raise HandBack(f"job {job_id}: {type(e).__name__}: {e}") from e
         raise JobFailed("model_error", f"{type(e).__name__}: {e}", retryable=True) from e
     t3 = time.monotonic()
     if ctx.fleet is not None and record.get("input_key"):
@@ -188,7 +208,7 @@ def _finish(ctx: WorkerContext, job_id: str, record: dict[str, str], out: GenOut
     wrote = with_storage_retry(ctx, lambda: ctx.storage.put_if_absent(key, json.dumps(doc).encode()))
     if not wrote:
         log.info("job %s: a result already exists; keeping the first", job_id)
-        out = GenOutput("", json.loads(ctx.storage.get(key))["token_ids"], "", 0, 0)
+        out = GenOutput("", json.loads(with_storage_retry(ctx, lambda: ctx.storage.get(key)))["token_ids"], "", 0, 0)
     changed, previous = store.transition(ctx.redis, job_id, _ACTIVE, JobStatus.FINISHED,
                                            {"result_key": key, "generated_tokens": len(out.token_ids)},
                                            ttl=ctx.settings.job_ttl)
@@ -234,7 +254,11 @@ def with_storage_retry(ctx: WorkerContext, call: Callable[[], T]) -> T:
     while True:
         try:
             return call()
-        except BackendError as e:
+        except HandBack:
+            raise
+        except Exception as e:
+            if not faults.is_infra(e):  # a refusal the store will repeat (KeyError: no such object, ...)
+                raise
             if time.monotonic() + delay > deadline:
                 raise HandBack(f"object store unreachable for {ctx.settings.storage_retry} s: {e}") from e
             log.warning("object store failed (%s); retrying in %.1f s", e, delay)

@@ -68,6 +68,12 @@ def check_device(device: str) -> None:
         raise SystemExit(f"vlmq worker: cannot use device {device!r}: {reason}")
 
 
+def storage_timeout(settings: Settings) -> float:
+    """Seconds one object-store call may wait: a quarter of VLMQ_STORAGE_RETRY (1 to 30 s), so that a frozen store
+    fails calls, retried within the retry window, instead of holding a job past it."""
+    return min(30.0, max(1.0, settings.storage_retry / 4))
+
+
 def default_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -87,6 +93,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> int:
     from vlmq.workers.fleet import FleetReporter
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
+    from vlmq.workers.orphans import start_orphan_sweeper
     from vlmq.workers.retention import start_sweeper
 
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
@@ -97,7 +104,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> int:
     shared = worker_queues(spec, settings, settings.worker_classes)
     classes = [c for c in cost_classes(settings).names if keys.queue(spec.name, c) in shared]
     name = name or default_name()
-    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url, timeout=storage_timeout(settings))
     kv_store = None
     if settings.backend == "engine":
         from vlmq.workers.kvstore import store_from_settings
@@ -119,6 +126,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> int:
     app = make_worker_app(settings, ctx, budget, first=frozenset(own))
     LeaseRenewer(ctx.redis, settings.visibility_timeout).start()
     start_sweeper(settings, ctx.redis, ctx.storage, name)
+    start_orphan_sweeper(settings, ctx.redis, name)
     fleet.start(getattr(backend, "archive_model_hash", None))  # set by a backend that archives KV
     log.info("worker %s serving %s on %s with the %s backend, queues %s", name, spec.name, settings.device,
              settings.backend, list(budget.queue_costs))

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from vlmq.fleet import queue_stats
+from vlmq.fleet import orphans_resent, queue_stats
 
 if TYPE_CHECKING:
     from vlmq.workers.costgate import CostBudget
@@ -137,6 +137,15 @@ class WorkerCollector(Collector):
             unacked.add_metric([q.model, q.cost_class], q.held)
             age.add_metric([q.model, q.cost_class], q.oldest_age_s)
         yield from (depth, unacked, age)
+        try:
+            resent = orphans_resent(self.ctx.redis)
+        except Exception as e:
+            log.warning("orphan metrics unavailable: %s", e)
+            return
+        orphans = CounterMetricFamily("vlmq_orphans_resent", "Lost messages the orphan sweep re-sent from job "
+                                      "records, across the fleet (docs/guarantees.md)", labels=["model"])
+        orphans.add_metric([self.model], resent)
+        yield orphans
 
     def _batch(self) -> Iterator[Any]:
         held = self.held_queues()

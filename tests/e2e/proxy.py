@@ -31,9 +31,17 @@ class Proxy:
         """Refuse new connections and reset open ones."""
         with self._lock:
             if self._listener is not None:
+                try:  # on Linux a blocked accept() keeps a closed listener accepting until it is shut down
+                    self._listener.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 self._listener.close()
                 self._listener = None
             for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads blocked on it; close alone may not
+                except OSError:
+                    pass
                 try:
                     conn.close()
                 except OSError:

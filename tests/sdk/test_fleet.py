@@ -35,6 +35,8 @@ def test_the_top_screen_shows_queues_workers_and_rates_between_refreshes() -> No
     assert lines[2].split() == ["tiny-shapes", "s", "0", "0", "0.0"]
     assert "1 worker(s)" in lines
     assert lines[-1].split() == ["host:1", "tiny-shapes", "cpu", "1", "2304/32768", "3", "0", "-", "-"]
+    assert "lost messages re-sent from job records: 0" in lines
+    assert "lost messages re-sent from job records: 3" in render_top(queues, {}, resent=3).splitlines()
     later = render_top(queues, {"host:1": worker(finished=5, generated=300, at=1004.0)}, {"host:1": worker()})
     assert later.splitlines()[-1].split()[-2:] == ["500.0", "50.0"]  # tokens/s in and out over the 4 s
 
