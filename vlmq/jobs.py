@@ -31,8 +31,13 @@ class JobResult:
         model: model name that served it.
         text: the generated answer.
         token_ids: generated token ids (without the prompt).
-        finish_reason: ``stop`` (end-of-turn token) or ``length`` (hit max_new_tokens).
-        usage: ``prompt_tokens``, ``image_tokens``, ``generated_tokens``.
+        finish_reason: ``stop`` (end-of-turn token, a stop string or stop token, a complete response format) or
+            ``length`` (hit max_new_tokens).
+        usage: ``prompt_tokens``, ``image_tokens``, ``generated_tokens`` (all choices').
+        logprobs: with ``logprobs`` asked for, one entry per token in OpenAI's shape (``token``, ``logprob``,
+            ``bytes``, ``top_logprobs``); None otherwise.
+        choices: with ``n`` > 1, every choice (``index``, ``text``, ``token_ids``, ``finish_reason``, and
+            ``logprobs`` where asked); the first is also this result's own fields. None for one answer.
         timings: seconds spent per phase (``queue``, ``fetch``, ``decode_image``, ``model``, ``total``).
         worker: name of the worker process that served it.
         raw: the stored JSON document.
@@ -47,13 +52,16 @@ class JobResult:
     timings: dict[str, float]
     worker: str
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    logprobs: list[dict[str, Any]] | None = None
+    choices: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_json(cls, data: bytes) -> JobResult:
         """Parse a stored result document."""
         doc = json.loads(data)
         return cls(doc["job_id"], doc["model"], doc["text"], list(doc["token_ids"]), doc["finish_reason"],
-                   dict(doc["usage"]), dict(doc["timings"]), doc["worker"], doc)
+                   dict(doc["usage"]), dict(doc["timings"]), doc["worker"], doc, doc.get("logprobs"),
+                   doc.get("choices"))
 
 
 class Job:

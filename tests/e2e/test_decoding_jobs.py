@@ -76,11 +76,12 @@ def test_decoding_controls_reach_the_engine_and_come_back(redis_url: str, tmp_pa
     assert results[0].finish_reason == "stop" and stop not in results[0].text and len(results[0].token_ids) < MAX_NEW
     assert results[1].token_ids[0] != free.token_ids[0]  # the bias banned the free answer's first token
     assert json.loads(results[3].text)["shape"] in ("circle", "square", "triangle")  # the schema held
-    logprobs = results[0].raw["logprobs"]
+    logprobs = results[0].logprobs
     assert [e["logprob"] for e in logprobs] == pytest.approx([e.logprob for e in direct[0].logprobs], abs=1e-6)
     assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 and isinstance(e["token"], str) for e in logprobs)
     assert results[0].raw["decoding"] == {"stop": [stop], "logprobs": 2}  # what was applied, in the result
-    assert [c["token_ids"] for c in three.raw["choices"]] == [s.token_ids for s in sampled]  # choice i: seed + i
+    assert results[1].logprobs is None
+    assert [c["token_ids"] for c in three.choices] == [s.token_ids for s in sampled]  # choice i: seed + i
     assert three.usage["generated_tokens"] == sum(len(s.token_ids) for s in sampled)
     assert three.usage["prompt_tokens"] == sampled[0].prompt_tokens  # the prompt billed once
     choices = line["response"]["body"]["choices"]
