@@ -123,9 +123,10 @@ def _handled(signums: tuple[signal.Signals, ...], handler: Any) -> Iterator[None
 
 
 def signals_interrupt() -> contextlib.AbstractContextManager[None]:
-    """SIGTERM and SIGHUP raise KeyboardInterrupt inside the block (as Ctrl-C's SIGINT does), so ``finally``
-    clauses stop the children; on leaving, the previous handlers come back."""
-    return _handled((signal.SIGTERM, signal.SIGHUP), _interrupt)
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP raise KeyboardInterrupt inside the block, so ``finally`` clauses stop
+    the children; on leaving, the previous handlers come back. SIGINT too: a process started in the background of
+    a script inherits SIGINT ignored, and Python then never raises KeyboardInterrupt for it."""
+    return _handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), _interrupt)
 
 
 def signals_ignored() -> contextlib.AbstractContextManager[None]:
