@@ -11,7 +11,8 @@ import pytest
 from vlmq.batchfile import IGNORED_BODY_FIELDS, parse_line
 from vlmq.errors import InvalidRequest
 
-IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLv"
+         "AAAAAElFTkSuQmCC")
 MESSAGES = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}},
                                          {"type": "text", "text": "Describe the image."}]}]
 # a valid value for each field a user may send (notes/openai-surface.md)
