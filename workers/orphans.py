@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,6 +28,7 @@ from vlmq.fleet import message_job_id
 from vlmq.jobs import JobStatus
 from vlmq.settings import Settings
 from vlmq.wire import MessageWriter
+from vlmq.workers.periodic import FleetPeriodic
 
 log = logging.getLogger(__name__)
 SCAN_COUNT = 1000
@@ -109,7 +109,7 @@ def _created(record: dict[str, str]) -> float:
         return 0.0
 
 
-class OrphanSweeper:
+class OrphanSweeper(FleetPeriodic):
     """Re-sends the message of every active job whose message is nowhere, once per period per fleet.
 
     Args:
@@ -119,24 +119,17 @@ class OrphanSweeper:
         clock: the time now, in seconds since the epoch (tests move it).
     """
 
+    what = "orphan sweep"
+
     def __init__(self, redis: Any, settings: Settings, name: str = "",
                  clock: Callable[[], float] = time.time) -> None:
-        self.redis, self.name, self.clock = redis, name, clock
+        super().__init__(redis, keys.orphan_lock(), sweep_period(settings.visibility_timeout), name, clock)
         self.after = settings.visibility_timeout + settings.orphan_grace
-        self.period = sweep_period(settings.visibility_timeout)
         self.writer = MessageWriter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vlmq-orphans", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def sweep(self) -> int | None:
         """One sweep if no other worker swept this period; returns the jobs re-sent (None: not our turn)."""
-        if not self.redis.set(keys.orphan_lock(), self.name or "1", nx=True, ex=max(1, round(self.period))):
+        if not self.my_turn():
             return None
         now = self.clock()
         # a job younger than the threshold cannot be due; without old active jobs no message is read at all
@@ -172,14 +165,6 @@ class OrphanSweeper:
         if done:
             log.warning("job %s was %s with its message lost; re-sent it to %s", job_id, record["status"], queue)
         return int(done)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.sweep()
-            except Exception:  # a Redis outage must not kill the thread; the next period retries
-                log.warning("orphan sweep failed", exc_info=True)
-            self._stop.wait(self.period)
 
 
 def start_orphan_sweeper(settings: Settings, redis: Any, name: str) -> OrphanSweeper:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -24,6 +23,7 @@ from vlmq import keys
 from vlmq.jobs import JobStatus
 from vlmq.settings import Settings
 from vlmq.storage import Storage
+from vlmq.workers.periodic import FleetPeriodic
 
 log = logging.getLogger(__name__)
 SCAN_COUNT = 1000  # records read per SCAN step
@@ -65,7 +65,7 @@ def _scan_batches(redis: Any, pattern: str) -> Iterator[list[bytes]]:
             yield names
 
 
-class RetentionSweeper:
+class RetentionSweeper(FleetPeriodic):
     """Deletes input and result objects (every tenant's) older than ``retention`` seconds, once per period per fleet.
 
     Args:
@@ -77,25 +77,18 @@ class RetentionSweeper:
         clock: the time now, in seconds since the epoch (tests move it).
     """
 
+    what = "retention sweep"
+
     def __init__(self, redis: Any, storage: Storage, retention: int, name: str = "", period: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if retention <= 0:
             raise ValueError(f"retention must be positive, got {retention}")
-        self.redis, self.storage, self.retention, self.name = redis, storage, retention, name
-        self.period = period or sweep_period(retention)
-        self.clock = clock
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vlmq-retention", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
+        super().__init__(redis, keys.retention_lock(), period or sweep_period(retention), name, clock)
+        self.storage, self.retention = storage, retention
 
     def sweep(self) -> int | None:
         """One sweep if no other worker swept this period; returns the objects deleted (None: not our turn)."""
-        if not self.redis.set(keys.retention_lock(), self.name or "1", nx=True, ex=max(1, round(self.period))):
+        if not self.my_turn():
             return None
         cutoff = self.clock() - self.retention
         old = [key for prefix in keys.RETAINED_PREFIXES for key in self.storage.list_older(prefix, cutoff)]
@@ -113,14 +106,6 @@ class RetentionSweeper:
             self.storage.delete(key)
             count += 1
         return count
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.sweep()
-            except Exception:  # a Redis or store outage must not kill the thread; the next period retries
-                log.warning("retention sweep failed", exc_info=True)
-            self._stop.wait(self.period)
 
 
 def start_sweeper(settings: Settings, redis: Any, storage: Storage, name: str) -> RetentionSweeper | None:
