@@ -322,7 +322,7 @@ class Client:
     def _prepare(self, request: JobRequest, loaded: dict[str, Input] | None = None) -> Prepared:
         """Check, load and price one request; ``loaded`` keeps images already read, by their reference."""
         spec = self._check_params(request)
-        check_decoding(request.decoding, request.max_new_tokens)
+        decoding = check_decoding(request.decoding, request.max_new_tokens)
         webhook = self.settings.webhook_url if request.webhook is None else request.webhook
         if webhook:
             check_webhook(webhook, self.settings.webhook_allow)
@@ -335,7 +335,7 @@ class Client:
         cost = estimate_job([(i.info.width, i.info.height) for i in inputs], spec.policy, cost_classes(s))
         prompttokens.check_prompt(model_folder(spec), spec.family, single_turn(request.prompt or "") if chat is None
                                   else chat.messages, request.max_new_tokens, s.text_token_bound)
-        return Prepared(request, spec, inputs, cost, webhook, chat)
+        return Prepared(request, spec, inputs, cost, webhook, chat, decoding)
 
     def _load(self, image: ImageSource, loaded: dict[str, Input] | None) -> Input:
         if loaded is None or not isinstance(image, str):

@@ -65,11 +65,13 @@ def check_decoding(fields: Mapping[str, Any] | None, max_new_tokens: int | None 
 
 
 def to_json(decoding: Mapping[str, Any]) -> str:
+    """Compact, key-sorted JSON (the record's and the fingerprint's form)."""
     return json.dumps(decoding, sort_keys=True, separators=(",", ":"))
 
 
 def from_record(record: Mapping[str, str]) -> dict[str, Any]:
-    """A record's ``decoding`` field (absent: none), checked as at submit.
+    """A record's ``decoding`` field (absent: none; written by :func:`record_field`), checked as at submit: the
+    controls in the engine's forms.
 
     Raises:
         InvalidRequest: ``bad_record`` for text that is not a JSON object; the codes of :func:`check_decoding`.
@@ -81,18 +83,14 @@ def from_record(record: Mapping[str, str]) -> dict[str, Any]:
         value = None
     if not isinstance(value, dict):
         raise InvalidRequest("job record decoding is not a JSON object", code="bad_record")
-    # the record holds the engine's forms: logprobs the number of alternatives, logit_bias (token, bias) pairs
-    logprobs = value.pop("logprobs", None)
-    pairs = value.get("logit_bias")
-    if isinstance(pairs, list):
-        if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
-            raise InvalidRequest("job record decoding.logit_bias is not a list of (token, bias) pairs",
-                                 code="bad_record")
-        value["logit_bias"] = {str(t): b for t, b in pairs}
-    checked = check_decoding(value)
-    if logprobs is not None:
-        checked |= _logprobs({"logprobs": True, "top_logprobs": logprobs})
-    return checked
+    max_new = record.get("max_new_tokens", "")
+    return check_decoding(value, int(max_new) if max_new.isdigit() else None)
+
+
+def record_field(fields: Mapping[str, Any]) -> str:
+    """A request's checked controls as its record keeps them: the fields as the caller named them
+    (:func:`from_record` checks them again on the worker)."""
+    return to_json({k: v for k, v in fields.items() if v is not None})
 
 
 def engine_controls(decoding: Mapping[str, Any]) -> dict[str, Any]:

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from vlmq import keys
 from vlmq.chat import Chat
 from vlmq.cost import JobCost
-from vlmq.decoding import check_decoding
-from vlmq.decoding import to_json as decoding_json
+from vlmq.decoding import record_field
 from vlmq.images import ImageInfo
 from vlmq.models import ModelSpec
 from vlmq.request import JobRequest, fingerprint
@@ -38,6 +37,7 @@ class Prepared:
     cost: JobCost
     webhook: str = ""
     chat: Chat | None = None
+    decoding: dict[str, Any] = field(default_factory=dict)  # request.decoding checked (vlmq.decoding), engine form
 
     @property
     def queue(self) -> str:
@@ -46,7 +46,7 @@ class Prepared:
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.request, self.spec.name, [i.sha256 for i in self.inputs],
-                           "" if self.chat is None else self.chat.to_json())
+                           "" if self.chat is None else self.chat.to_json(), self.decoding)
 
     def route_key(self, tenant: str | None) -> str:
         """The input whose hot worker the job is routed to: its first image's (a text-only job: one never hot)."""
@@ -64,9 +64,8 @@ class Prepared:
             # sampling: absent (records written before it) or 0 means greedy; "" is no seed
             "temperature": repr(float(request.temperature)), "seed": "" if request.seed is None else request.seed,
         }
-        controls = check_decoding(request.decoding, request.max_new_tokens)
-        if controls:  # absent: none (records written before them read the same)
-            fields["decoding"] = decoding_json(controls)
+        if self.decoding:  # absent: none (records written before them read the same)
+            fields["decoding"] = record_field(request.decoding or {})
         input_keys = [keys.input_object(i.sha256, tenant) for i in self.inputs]
         if self.chat is None:  # the shortcut keeps the record it always had: workers of any version serve it
             info = self.inputs[0].info

@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vlmq.decoding import check_decoding
 from vlmq.errors import InvalidRequest
 from vlmq.images import ImageSource
 from vlmq.queue import DEFAULT_PRIORITY
@@ -86,9 +85,11 @@ class JobRequest:
         return cls(**item)
 
 
-def fingerprint(request: JobRequest, model: str, image_sha256: Sequence[str], messages: str = "") -> str:
+def fingerprint(request: JobRequest, model: str, image_sha256: Sequence[str], messages: str = "",
+                decoding: Mapping[str, Any] | None = None) -> str:
     """A digest of everything that decides a job's answer: model, images' content, prompt or messages (``messages``:
-    the chat as its record stores it, ``vlmq.chat.Chat.to_json``) and parameters.
+    the chat as its record stores it, ``vlmq.chat.Chat.to_json``) and parameters (``decoding``: the request's
+    controls as ``vlmq.decoding.check_decoding`` returns them).
 
     The idempotency key stores it beside the job id, so a second request under the same key is
     recognised as the same request or refused as a different one.
@@ -101,7 +102,6 @@ def fingerprint(request: JobRequest, model: str, image_sha256: Sequence[str], me
         content |= {"images": list(image_sha256), "messages": messages}
     if request.temperature or request.seed is not None:  # greedy requests keep the digests they had before sampling
         content["sampling"] = [float(request.temperature), request.seed]
-    controls = check_decoding(request.decoding, request.max_new_tokens)
-    if controls:  # requests without controls keep the digests they had before them
-        content["decoding"] = controls
+    if decoding:  # requests without controls keep the digests they had before them
+        content["decoding"] = decoding
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmq.decoding import FIELDS, check_decoding, engine_controls, from_record, to_json
+from vlmq.decoding import FIELDS, check_decoding, engine_controls, from_record, record_field
 from vlmq.errors import InvalidRequest
 
 EVERY = {"stop": ["\n\n", "END"], "stop_token_ids": [2, 7], "top_p": 0.9, "top_k": 40, "min_p": 0.05,
@@ -18,7 +18,7 @@ def test_every_field_is_kept_in_the_engines_form_and_reads_back_from_the_record(
     assert set(checked) == FIELDS - {"top_logprobs", "response_format", "n"}  # top_logprobs: logprobs = n
     assert checked["logit_bias"] == [[7, 2.5], [12, -100.0]] and checked["logprobs"] == 4
     assert "top_logprobs" not in checked and checked["stop"] == ["\n\n", "END"]
-    assert from_record({"decoding": to_json(checked)}) == checked
+    assert from_record({"decoding": record_field(EVERY), "max_new_tokens": "64"}) == checked
     controls = engine_controls(checked)
     assert controls["stop"] == ("\n\n", "END") and controls["logit_bias"] == ((7, 2.5), (12, -100.0))
 
@@ -51,9 +51,9 @@ def test_bad_fields_are_refused_naming_the_field(fields, code, named) -> None:
 
 
 def test_a_record_that_was_tampered_with_is_refused() -> None:
-    for text in ("[1]", "{not json", '{"logit_bias": [[1]]}', '{"top_p": 7}'):
+    for text in ("[1]", "{not json", '{"logit_bias": [[1]]}', '{"top_p": 7}', '{"min_tokens": 65}'):
         with pytest.raises(InvalidRequest):
-            from_record({"decoding": text})
+            from_record({"decoding": text, "max_new_tokens": "64"})
 
 
 SCHEMA = {"type": "object", "properties": {"shape": {"enum": ["circle", "square"]}}, "required": ["shape"]}
@@ -64,7 +64,8 @@ def test_response_formats_keep_their_shape_and_text_is_none() -> None:
                 {"type": "regex", "regex": "[a-z]+"}, {"type": "choice", "choice": ["yes", "no"]},
                 {"type": "grammar", "grammar": 'root ::= "a" | "b"'}):
         checked = check_decoding({"response_format": fmt})
-        assert checked == {"response_format": fmt} and from_record({"decoding": to_json(checked)}) == checked
+        assert checked == {"response_format": fmt}
+        assert from_record({"decoding": record_field({"response_format": fmt})}) == checked
     assert check_decoding({"response_format": {"type": "text"}}) == {}
 
 
