@@ -17,7 +17,7 @@ from typing import Any
 
 from vlmq.errors import InvalidRequest
 
-MAX_STOP, MAX_STOP_CHARS = 4, 256  # the engine's workers/engine/stopping.py bounds
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # stop strings (as OpenAI) and their length; the engine's too (stopping.py)
 MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS = 16, 300, 20
 
 _RANGES = {"top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True), "repetition_penalty": (0.0, 10.0, False),

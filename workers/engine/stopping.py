@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-MAX_STOP_STRINGS = 4  # as OpenAI's Chat Completions API
-MAX_STOP_CHARS = 256  # each
+from vlmq.decoding import MAX_STOP as MAX_STOP_STRINGS  # the SDK's bounds, checked at submit too
+from vlmq.decoding import MAX_STOP_CHARS
 
 
 def check_stop(stop: Sequence[str]) -> tuple[str, ...]:
