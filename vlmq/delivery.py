@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 DELIVER_TASK = "vlmq.deliver_webhook"
 EVENT_ID_RE = re.compile(r"evt_[0-9a-f]{32}")
 JITTER = 0.2  # each retry delay is scaled by a uniform factor in [1 - JITTER, 1 + JITTER]
+_JITTER_RNG = random.Random()  # its own generator: the jitter never moves the process's global random state
 RESULT_URL_EXPIRES = 7 * 24 * 3600  # presigned result URLs (the longest SigV4 allows)
 
 # KEYS[1]=due set; ARGV[1]=now, ARGV[2]=lease end, ARGV[3]=most ids. Claims due events by moving them one lease
@@ -244,7 +245,7 @@ def _next_delay(ctx: DeliveryContext, attempt: int, retry_after: str) -> float |
     """Seconds until the next attempt after failed attempt number ``attempt`` (None: no more attempts)."""
     if attempt > len(ctx.delays):
         return None
-    delay = ctx.delays[attempt - 1] * random.uniform(1 - JITTER, 1 + JITTER)
+    delay = ctx.delays[attempt - 1] * _JITTER_RNG.uniform(1 - JITTER, 1 + JITTER)
     if retry_after.isdigit():  # the receiver asks for a pause; never longer than the schedule's longest step
         delay = max(delay, min(float(retry_after), max(ctx.delays)))
     return delay

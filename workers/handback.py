@@ -45,6 +45,7 @@ class OwedAttempts:
         self.redis = redis
         self._owed: list[str] = []
         self._lock = threading.Lock()
+        self._paying = threading.Lock()  # one payer at a time: an attempt is never taken off twice
         self._thread: threading.Thread | None = None
 
     def add(self, job_id: str) -> None:
@@ -59,19 +60,21 @@ class OwedAttempts:
             return len(self._owed)
 
     def pay(self) -> int:
-        """Take off what is owed; returns how many are still owed (Redis still down)."""
-        with self._lock:
-            owed, self._owed = self._owed, []
-        for i, job_id in enumerate(owed):
-            try:
-                uncount(self.redis, job_id)
-            except Exception as e:
-                if not faults.is_infra(e):
-                    raise
+        """Take off what is owed; returns how many are still owed (Redis still down). An attempt stays owed (and
+        counted by ``pending``) until Redis has taken it off."""
+        with self._paying:
+            with self._lock:
+                owed = list(self._owed)
+            for job_id in owed:
+                try:
+                    uncount(self.redis, job_id)
+                except Exception as e:
+                    if not faults.is_infra(e):
+                        raise
+                    break
                 with self._lock:
-                    self._owed = owed[i:] + self._owed
-                    return len(self._owed)
-        return self.pending()
+                    self._owed.remove(job_id)
+            return self.pending()
 
     def _run(self) -> None:
         while True:

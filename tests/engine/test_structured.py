@@ -9,10 +9,12 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from decoding_inputs import QUESTIONS, TINY, image
 
 from vlmq.workers.engine import RequestRejected
 from vlmq.workers.engine.engine import Engine, Request
+from vlmq.workers.engine.grammar import Grammars, apply_grammars
 from vlmq.workers.engine.spec_decode import SpecConfig
 
 MAX_NEW = 96
@@ -88,3 +90,22 @@ def test_a_format_the_grammar_engine_cannot_compile_fails_alone() -> None:
     engine.close()
     assert isinstance(outs[0].error, RequestRejected) and outs[0].error.code == "bad_response_format"
     assert outs[1].error is None and outs[1].token_ids
+
+
+def test_proposals_past_the_grammars_stop_token_leave_the_later_rows_unmasked() -> None:
+    # a proposer may guess the stop token and then more: the rows after it are never verified, and asking the
+    # grammar for a mask past its end would fail the request (xgrammar: "terminated ... trying to find the next mask")
+    engine = Engine.from_model_dir(TINY, num_blocks=64, speculative="none")
+    tokenizer, eos = engine.tokenizer, engine.eos_token_ids
+    grammars = Grammars(tokenizer, engine.runner.model.config.text_config.vocab_size, eos)
+    engine.close()
+    state = grammars.state({"type": "choice", "choice": ["yes"]})
+    answer = tokenizer.encode("yes", add_special_tokens=False)
+    proposals = answer + [eos[0]] + answer
+    logits = torch.zeros(len(proposals) + 1, len(tokenizer))
+    apply_grammars(logits, [(j, state, proposals[:j]) for j in range(len(proposals) + 1)])
+    assert torch.isinf(logits[0]).sum() > 0  # the first row is masked to the grammar
+    stop_row = len(answer)  # the row after the whole answer allows only the stop token
+    assert logits[stop_row].argmax().item() == eos[0] and torch.isfinite(logits[stop_row]).sum() == 1
+    assert torch.isfinite(logits[stop_row + 1:]).all()  # past the stop token: left alone
+    assert not state.done  # the matcher is back where the sequence is

@@ -79,8 +79,9 @@ class Grammars:
 
 def apply_grammars(logits: torch.Tensor, rows: list[tuple[int, GrammarState, list[int]]]) -> None:
     """Mask `logits` [R, vocab] in place at each (row, state, proposals before the row) to the tokens the grammar
-    allows after the sequence's answer and those proposals: one bitmask, one apply. A proposal the grammar forbids
-    leaves the rows after it unmasked: verification never reaches them (its own row gives it -inf)."""
+    allows after the sequence's answer and those proposals: one bitmask, one apply. A proposal the grammar forbids,
+    or one after the grammar's stop token, leaves the rows after it unmasked: verification never reaches them (the
+    forbidden proposal's own row gives it -inf; the stop token ends the sequence)."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
@@ -88,10 +89,10 @@ def apply_grammars(logits: torch.Tensor, rows: list[tuple[int, GrammarState, lis
     for n, (row, state, proposals) in enumerate(rows):
         accepted = 0
         for token in proposals:
-            if not state.matcher.accept_token(token):
+            if state.matcher.is_terminated() or not state.matcher.accept_token(token):
                 break
             accepted += 1
-        if accepted == len(proposals):
+        if accepted == len(proposals) and not state.matcher.is_terminated():
             state.matcher.fill_next_token_bitmask(bitmask, n)
             masked.append((n, row))
         if accepted:
