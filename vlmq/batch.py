@@ -2,8 +2,10 @@
 
 Lifecycle (``BatchStatus``): ``validating`` (lines checked, inputs stored) -> ``in_progress`` (every job
 enqueued) -> ``finalizing`` (every request ended; output and error files being written) -> ``completed``;
-or ``failed`` (a line was refused: nothing was enqueued), ``cancelling`` -> ``cancelled``, and ``expired``
-(the completion window passed: requests not yet ended are cancelled, with code ``batch_expired``).
+or ``failed`` (the file was refused whole: too many bad lines, or none good; nothing was enqueued),
+``cancelling`` -> ``cancelled``, and ``expired`` (the completion window passed: requests not yet ended are
+cancelled, with code ``batch_expired``). Lines refused at submit count as failed requests from the start
+(``n_rejected``) and head the error file (``REJECTED``, ``vlmq.batchsubmit``).
 
 Counting: each job's final transition (``vlmq.store``) increments ``n_<status>`` in the batch hash, so a request
 is counted once, by whoever ended it. Finalizing: whoever sees every request ended finalizes (the worker that
@@ -32,6 +34,7 @@ LOCK_TTL = 300  # seconds a finalizer's lease lasts; a dead finalizer's batch is
 MAX_REQUESTS = 50_000  # requests one batch holds at most (OpenAI's limit): what one finalization reads at most
 READ_CHUNK = 1000  # records read per round trip while finalizing
 OUTPUT, ERRORS = "output.jsonl", "errors.jsonl"
+REJECTED = "rejected.jsonl"  # lines refused at submit (error lines): the head of the error file
 _WINDOW = re.compile(r"([1-9][0-9]*)([smhd])")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -58,20 +61,28 @@ _RUNNING = (BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value, BatchSt
 
 
 class BatchInvalid(InvalidRequest):
-    """Lines of a batch file were refused; nothing was enqueued.
+    """A batch file was refused whole: nothing was enqueued.
 
     Attributes:
-        errors: ``vlmq.batchfile.LineError`` for every refused line, in file order.
+        errors: ``vlmq.batchfile.LineError`` for the first refused lines (at most ``batchsubmit.KEPT_ERRORS``),
+            in file order; every one is in the failed batch's error file.
         batch_id: the ``failed`` batch object recording them.
+        refused: how many lines were refused, of ``total``.
     """
 
-    def __init__(self, errors: list[Any], batch_id: str) -> None:
+    def __init__(self, errors: list[Any], batch_id: str, *, refused: int | None = None, total: int | None = None,
+                 share: float | None = None) -> None:
+        refused = len(errors) if refused is None else refused
         shown = "\n".join(str(e) for e in errors[:20])
-        more = f"\n... and {len(errors) - 20} more" if len(errors) > 20 else ""
-        super().__init__(f"{len(errors)} line(s) of the batch file were refused; nothing was enqueued "
-                         f"(batch {batch_id} is failed):\n{shown}{more}", code="batch_invalid")
+        more = f"\n... and {refused - min(20, len(errors))} more" if refused > 20 else ""
+        why = "" if total is None or share is None else \
+            f" of {total}, more than the {share:.0%} allowed (VLMQ_BATCH_MAX_BAD_SHARE)"
+        super().__init__(f"{refused} line(s) of the batch file were refused{why}; nothing was enqueued "
+                         f"(batch {batch_id} is failed; its error file has every refused line):\n{shown}{more}",
+                         code="batch_invalid")
         self.errors = errors
         self.batch_id = batch_id
+        self.refused = refused
 
 
 def window_seconds(window: str) -> int:
@@ -129,11 +140,23 @@ def set_status(redis: Any, batch_id: str, status: BatchStatus, **fields: object)
 
 def counts(record: dict[str, str]) -> dict[str, int]:
     """OpenAI's ``request_counts`` (``total``, ``completed``, ``failed``: failed, cancelled and expired
-    requests), plus ``cancelled`` (vlmq's: how many of the failed ones were cancelled or expired)."""
+    requests and lines refused at submit), plus vlmq's ``cancelled`` (how many of the failed ones were cancelled
+    or expired) and ``rejected`` (how many were lines refused at submit, each in the error file)."""
     finished, failed, canceled = (int(record.get(f"n_{s.value}", 0)) for s in
                                   (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED))
-    return {"total": int(record.get("total", 0)), "completed": finished, "failed": failed + canceled,
-            "cancelled": canceled}
+    rejected = _count(record.get("n_rejected"))
+    return {"total": int(record.get("total", 0)), "completed": finished, "failed": failed + canceled + rejected,
+            "cancelled": canceled, "rejected": rejected}
+
+
+def start(store: JobStore, batch_id: str) -> None:
+    """Every job is enqueued: the batch is ``in_progress``, unless it was cancelled while it was validating (then
+    the jobs enqueued since are cancelled too)."""
+    record = store.call(read, store.redis, batch_id)
+    if record.get("cancel_requested") == "1":
+        cancel_jobs(store, batch_id, record)
+    else:
+        store.call(set_status, store.redis, batch_id, BatchStatus.IN_PROGRESS)
 
 
 def cancel_jobs(store: JobStore, batch_id: str, record: dict[str, str]) -> int:
@@ -245,7 +268,17 @@ def _write_files(redis: Any, storage: Storage, batch_id: str, batch: dict[str, s
         line = output_line(record, doc) if doc else error_line(record, batch)
         (out if doc else err).append(json.dumps(line))
     storage.put(keys.batch_object(batch_id, OUTPUT), "".join(f"{line}\n" for line in out).encode())
+    head = _rejected(storage, batch_id) if _count(batch.get("n_rejected")) else ""
+    err = ([head] if head else []) + err
     storage.put(keys.batch_object(batch_id, ERRORS), "".join(f"{line}\n" for line in err).encode())
+
+
+def _rejected(storage: Storage, batch_id: str) -> str:
+    """The lines refused at submit, as error lines (JSONL, newline-terminated; empty if the object is gone)."""
+    try:
+        return storage.get(keys.batch_object(batch_id, REJECTED)).decode().removesuffix("\n")
+    except KeyError:
+        return ""
 
 
 def _member_records(redis: Any, batch_id: str, job_ids: list[str]) -> list[dict[str, str]]:
@@ -381,6 +414,14 @@ class Batch:
             self._store.call(set_status, self._store.redis, self.id, BatchStatus.CANCELLING, cancel_requested=1)
             cancel_jobs(self._store, self.id, record)
         return self.refresh()
+
+    def rejected(self) -> list[dict[str, Any]]:
+        """The lines refused at submit, as error-file lines (OpenAI's shape: ``response.status_code`` 400,
+        ``response.body.error`` with ``code``, ``message``, vlmq's ``line`` and ``retryable``), readable while
+        the batch runs; the error file starts with them once it ends."""
+        self._store.own(self.id)
+        text = self._store.call(_rejected, self._store.storage, self.id)
+        return [json.loads(line) for line in text.splitlines() if line]
 
     def download(self, which: str = "output") -> bytes:
         """The output (``output``) or error (``error``) file of a final batch, as JSONL bytes.

@@ -21,7 +21,8 @@ file's folder unless the caller passes ``allow_outside_paths``; only regular fil
 (``user``, ``metadata``, ``store``, ``service_tier``: no bearing on the answer) are accepted and have no effect
 (``IGNORED_BODY_FIELDS``); every other field is refused by name.
 Parsing here reads nothing but the file itself (local paths are resolved, not opened); ``Client.submit_batch``
-then loads and prices each distinct image once.
+(``vlmq.batchsubmit``) then loads and prices each line's images, a line at a time, and refuses a bad line alone
+(``LineError.error_line``: OpenAI's error-line shape).
 """
 from __future__ import annotations
 
@@ -80,14 +81,41 @@ class BatchLine:
 
 @dataclass(frozen=True, slots=True)
 class LineError:
-    """Why one line of a batch file was refused."""
+    """Why one line of a batch file was refused (``custom_id``: the line's, when it has a readable one)."""
 
     line: int
     code: str
     message: str
+    custom_id: str | None = None
 
     def __str__(self) -> str:
         return f"line {self.line}: {self.code}: {self.message}"
+
+    def error_line(self, batch_id: str) -> dict[str, Any]:
+        """The line's entry in the batch's error file, in OpenAI's shape for a request refused with HTTP 400
+        (``response.body.error``), with vlmq's ``line`` and ``retryable`` (False: the same line fails again)."""
+        error = {"message": self.message, "type": "invalid_request_error", "param": None, "code": self.code,
+                 "line": self.line, "retryable": False}
+        request_id = f"{batch_id}-line-{self.line}"
+        return {"id": f"batch_req_{request_id}", "custom_id": self.custom_id,
+                "response": {"status_code": 400, "request_id": request_id, "body": {"error": error}}, "error": None}
+
+
+def custom_id_of(text: str) -> str | None:
+    """A refused line's ``custom_id`` for its error line, if the line is a JSON object that has a valid one."""
+    try:
+        check_depth(text, 4 * MAX_JSON_DEPTH)  # a line refused for its depth may still name itself
+        item = json.loads(text)
+    except (InvalidRequest, ValueError):
+        return None
+    custom_id = item.get("custom_id") if isinstance(item, dict) else None
+    if isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS:
+        try:
+            rules.check_utf8(custom_id, "custom_id", "bad_custom_id")
+            return custom_id
+        except InvalidRequest:
+            return None
+    return None
 
 
 def read_lines(path: str | Path) -> Iterator[tuple[int, str]]:
@@ -130,7 +158,7 @@ def parse_line(number: int, text: str, base_dir: Path, allow_outside_paths: bool
     return _parse_body(number, custom_id, body, base_dir, allow_outside_paths)
 
 
-def check_depth(text: str) -> None:
+def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
     """Refuse JSON nested deeper than ``MAX_JSON_DEPTH`` before parsing it (``json.loads`` would recurse until
     ``RecursionError``, at a depth that depends on the caller's stack).
 
@@ -140,8 +168,8 @@ def check_depth(text: str) -> None:
     depth = 0
     for bracket in _BRACKET.finditer(_JSON_STRING.sub("", text)):
         depth += 1 if bracket[0] in "[{" else -1
-        if depth > MAX_JSON_DEPTH:
-            raise InvalidRequest(f"not JSON vlmq accepts: nested deeper than {MAX_JSON_DEPTH} levels", code="bad_json")
+        if depth > limit:
+            raise InvalidRequest(f"not JSON vlmq accepts: nested deeper than {limit} levels", code="bad_json")
 
 
 def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Path, anywhere: bool) -> BatchLine:

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ import redis as redis_lib
 
 from vlmq import affinity, cachestats, functions, idempotency, keys, prompttokens, rules
 from vlmq import batch as batches
-from vlmq.batchfile import BatchLine, LineError, parse_line, read_lines
+from vlmq.batchsubmit import submit_file
 from vlmq.chat import parse_messages, single_turn
 from vlmq.cost import estimate_job
 from vlmq.decoding import check_decoding
@@ -136,8 +136,8 @@ class Client:
                              temperature=temperature, seed=seed, messages=messages, decoding=decoding)
         return self._submit([self._prepare(request)], wait_for_room)[0]
 
-    def submit_many(self, requests: Iterable[JobRequest | Mapping[str, Any]], *,
-                    wait_for_room: float = 0.0) -> list[Job]:
+    def submit_many(self, requests: Iterable[JobRequest | Mapping[str, Any]], *, wait_for_room: float = 0.0,
+                    on_error: str = "raise") -> list[Any]:
         """Submit several jobs at once; each is a ``JobRequest`` or a mapping of its fields.
 
         Every request is checked, and the queue limits are checked against everything the batch
@@ -147,31 +147,48 @@ class Client:
             requests: the jobs (``{"messages": [...], "max_new_tokens": ...}``, ``{"image": ..., "prompt": ...}``
                 or ``JobRequest``).
             wait_for_room: when a class queue has no room for the batch's jobs, wait up to this many seconds.
+            on_error: ``"raise"``: a bad request refuses the whole call; ``"collect"``: each bad request is
+                refused alone (its place in the result holds the ``InvalidRequest`` saying why) and the rest
+                are enqueued.
 
         Returns:
-            Handles in the order of ``requests``.
+            In the order of ``requests``: a ``Job`` handle for each, or with ``on_error="collect"`` the
+            ``InvalidRequest`` of each refused one (its message starts ``request <index>:``).
 
         Raises:
-            InvalidRequest: naming the index of the first bad request; nothing was enqueued.
-            QueueFull: a class queue has no room for the batch; nothing was enqueued.
+            InvalidRequest: naming the index of the first bad request (``on_error="raise"``); nothing was enqueued.
+            QueueFull: a class queue has no room for the good requests; nothing was enqueued.
             BackendError: Redis or the object store failed.
         """
-        prepared = []
+        if on_error not in ("raise", "collect"):
+            raise InvalidRequest(f"on_error must be 'raise' or 'collect', got {on_error!r}", code="bad_on_error")
+        prepared: list[Prepared] = []
+        outcome: list[Any] = []  # per request: its index in prepared, or the InvalidRequest that refused it
         for i, item in enumerate(requests):
             try:
                 request = item if isinstance(item, JobRequest) else JobRequest.from_mapping(item)
                 prepared.append(self._prepare(request))
+                outcome.append(len(prepared) - 1)
             except InvalidRequest as e:
-                raise InvalidRequest(f"request {i}: {e}", code=e.code) from e
-        return self._submit(prepared, wait_for_room)
+                refused = InvalidRequest(f"request {i}: {e}", code=e.code)
+                if on_error == "raise":
+                    raise refused from e
+                outcome.append(refused)
+        jobs = self._submit(prepared, wait_for_room) if prepared else []
+        return [jobs[x] if isinstance(x, int) else x for x in outcome]
 
     def submit_batch(self, path: str | Path, *, completion_window: str = "24h", priority: int = DEFAULT_PRIORITY,
                      max_new_tokens: int = 128, metadata: Mapping[str, str] | None = None,
-                     webhook: str | None = None, allow_outside_paths: bool = False) -> batches.Batch:
+                     webhook: str | None = None, allow_outside_paths: bool = False,
+                     max_bad_share: float | None = None) -> batches.Batch:
         """Submit a batch file in the OpenAI Batch format (``vlmq.batchfile``): one job per line.
 
-        Every line is parsed and its image loaded and priced before anything is enqueued; each distinct image
-        is read once, however many lines name it.
+        The file is read once, a line at a time, with memory that does not grow with it (``vlmq.batchsubmit``):
+        each line is checked, its images read (each recent reference once) and priced, and its inputs stored.
+        A bad line (not a request, a bad or unreadable image, a limit, an unknown model, over the text bound) is
+        refused alone: it goes to the batch's error file in OpenAI's error-line shape (``Batch.rejected()`` reads
+        those lines at once) and counts as a failed request; the rest run. Nothing is enqueued until the whole
+        file is read, so a file whose bad lines pass ``max_bad_share`` is refused whole and nothing runs.
 
         Args:
             path: the JSONL file.
@@ -184,16 +201,23 @@ class Client:
                 client's default webhook, ``""``: none). Its jobs send no events of their own.
             allow_outside_paths: let local paths and ``file://`` URLs lead outside the batch file's folder (only
                 for a batch file you trust: otherwise whoever wrote it can have any image on this machine described).
+            max_bad_share: the share of lines (0 to 1) that may be refused before the whole file is (None:
+                ``VLMQ_BATCH_MAX_BAD_SHARE``, 0.5; 0: all or nothing). A file with no good line is always refused.
 
         Returns:
-            A handle on the batch (``in_progress``).
+            A handle on the batch (``in_progress``; its ``request_counts`` already count the refused lines).
 
         Raises:
-            BatchInvalid: lines were refused (each with its number and reason); the batch is ``failed`` and
-                nothing was enqueued.
+            BatchInvalid: the file was refused whole (too many bad lines, or none good); the batch is ``failed``,
+                its error file holds every refused line, and nothing was enqueued.
+            InvalidRequest: an argument, or the file itself (``bad_batch_file``, ``batch_too_large``); nothing
+                was enqueued.
             QueueFull: a class queue has no room for the batch; nothing was enqueued.
             BackendError: Redis or the object store failed.
         """
+        share = self.settings.batch_max_bad_share if max_bad_share is None else max_bad_share
+        if not 0 <= share <= 1:
+            raise InvalidRequest(f"max_bad_share must be between 0 and 1, got {share!r}", code="bad_max_bad_share")
         window = batches.window_seconds(completion_window)
         batch_id, created = batches.new_batch_id(self.tenant), now()
         # a path may hold bytes that are not UTF-8 (os.fsdecode's surrogates): kept readable, never failing in Redis
@@ -204,26 +228,8 @@ class Client:
         webhook = self.settings.webhook_url if webhook is None else webhook
         if webhook:
             fields["webhook"] = check_webhook(webhook, self.settings.webhook_allow)
-        prepared, lines, errors = self._prepare_batch(Path(path), priority, max_new_tokens, allow_outside_paths)
-        if errors or not lines:
-            errors = errors or [LineError(0, "empty_file", "the batch file has no requests")]
-            batches.create(self.store, batch_id, fields | {"total": len(lines) + len(errors), "errors": json.dumps(
-                [{"code": e.code, "message": e.message, "line": e.line} for e in errors])}, [])
-            self.store.call(batches.set_status, self.redis, batch_id, batches.BatchStatus.FAILED)
-            raise batches.BatchInvalid(errors, batch_id)
-        job_ids = [keys.tenant_job_id(self.tenant, new_job_id()) for _ in lines]
-        batches.create(self.store, batch_id, fields | {"total": len(lines)}, job_ids)
-        extra = [{"batch_id": batch_id, "custom_id": line.custom_id} for line in lines]
-        try:
-            self._submit(prepared, 0.0, job_ids, extra)
-        except BaseException:
-            self.store.call(batches.set_status, self.redis, batch_id, batches.BatchStatus.FAILED)
-            raise
-        self.store.call(batches.set_status, self.redis, batch_id, batches.BatchStatus.IN_PROGRESS)
-        log.info("batch %s in progress: %d requests", batch_id, len(lines))
-        batch = batches.Batch(self.store, batch_id)
-        batch.refresh()  # every job may have ended already: finalize now
-        return batch
+        return submit_file(self, Path(path), batch_id, fields, priority=priority, max_new_tokens=max_new_tokens,
+                           anywhere=allow_outside_paths, max_bad_share=share)
 
     def batch(self, batch_id: str) -> batches.Batch:
         """Handle on an existing batch.
@@ -234,33 +240,6 @@ class Client:
         batch = batches.Batch(self.store, batch_id)
         batch.refresh()
         return batch
-
-    def _prepare_batch(self, path: Path, priority: int, max_new_tokens: int,
-                       anywhere: bool) -> tuple[list[Prepared], list[BatchLine], list[LineError]]:
-        prepared, lines, errors, seen = [], [], [], set()
-        loaded: dict[str, Input] = {}  # each distinct image reference read and probed once
-        try:
-            numbered = list(read_lines(path))
-        except (OSError, ValueError) as e:  # ValueError: not UTF-8, or a NUL or lone surrogate in the path
-            raise InvalidRequest(f"cannot read batch file {str(path)!r}: {e}", code="bad_batch_file") from e
-        if len(numbered) > batches.MAX_REQUESTS:  # what one finalization reads at most
-            raise InvalidRequest(f"a batch holds at most {batches.MAX_REQUESTS} requests, this file has "
-                                 f"{len(numbered)}; split it", code="batch_too_large")
-        for number, text in numbered:
-            try:
-                line = parse_line(number, text, path.resolve().parent, anywhere)
-                if line.custom_id in seen:
-                    raise InvalidRequest(f"custom_id {line.custom_id!r} is used by an earlier line",
-                                         code="duplicate_custom_id")
-                seen.add(line.custom_id)
-                request = JobRequest(messages=line.messages, model=line.model, priority=priority,
-                                     max_new_tokens=line.max_new_tokens or max_new_tokens, webhook="",
-                                     temperature=line.temperature, seed=line.seed, decoding=line.decoding)
-                prepared.append(self._prepare(request, loaded))
-                lines.append(line)
-            except InvalidRequest as e:
-                errors.append(LineError(number, e.code, str(e)))
-        return prepared, lines, errors
 
     def job(self, job_id: str) -> Job:
         """Handle on an existing job.
@@ -319,7 +298,7 @@ class Client:
                            chat=r.messages is not None)
         return resolve_model(r.model, self.settings)
 
-    def _prepare(self, request: JobRequest, loaded: dict[str, Input] | None = None) -> Prepared:
+    def _prepare(self, request: JobRequest, loaded: MutableMapping[str, Input] | None = None) -> Prepared:
         """Check, load and price one request; ``loaded`` keeps images already read, by their reference."""
         spec = self._check_params(request)
         decoding = check_decoding(request.decoding, request.max_new_tokens)
@@ -337,7 +316,7 @@ class Client:
                                   else chat.messages, request.max_new_tokens, s.text_token_bound)
         return Prepared(request, spec, inputs, cost, webhook, chat, decoding)
 
-    def _load(self, image: ImageSource, loaded: dict[str, Input] | None) -> Input:
+    def _load(self, image: ImageSource, loaded: MutableMapping[str, Input] | None) -> Input:
         if loaded is None or not isinstance(image, str):
             return self._read_input(image)
         if image not in loaded:

@@ -60,7 +60,8 @@ def batch_lines(batch: Mapping[str, Any]) -> list[str]:
     c = batch["request_counts"]
     lines = [f"batch {batch['id']}: {batch['status']}",
              f"  requests: {c['total']} total, {c['completed']} completed, {c['failed']} failed"
-             + (f" ({c['cancelled']} cancelled)" if c.get("cancelled") else "")]
+             + (f" ({c['cancelled']} cancelled)" if c.get("cancelled") else "")
+             + (f"; {c['rejected']} line(s) refused at submit (in the error file)" if c.get("rejected") else "")]
     for name in ("input_file", "output_file", "error_file"):
         if batch.get(name):
             lines.append(f"  {name.replace('_', ' ')}: {batch[name]}")

@@ -386,6 +386,9 @@ def file_url_path(url: str) -> Path:
     return Path(urllib.parse.unquote(parts.path))
 
 
+READ_PIECE = 1 << 20  # bytes read from a file at a time
+
+
 def _too_large(size: int, limits: ImageLimits) -> InvalidRequest:
     return InvalidRequest(
         f"the image is {size} bytes, over the limit of {limits.max_bytes}; recompress or downscale it",
@@ -394,12 +397,21 @@ def _too_large(size: int, limits: ImageLimits) -> InvalidRequest:
 
 
 def _read_stream(stream: IO[bytes], limits: ImageLimits) -> bytes:
-    data = stream.read(limits.max_bytes + 1)
-    if not isinstance(data, bytes | bytearray):
-        raise InvalidRequest("the file object must be opened in binary mode ('rb')", code="bad_image_source")
-    if len(data) > limits.max_bytes:
-        raise _too_large(len(data), limits)
-    return bytes(data)
+    """At most ``max_bytes`` + 1 bytes, a MiB at a time (``read(max_bytes + 1)`` would allocate the whole
+    limit for every image, however small)."""
+    parts: list[bytes] = []
+    size = 0
+    while size <= limits.max_bytes:
+        part = stream.read(min(READ_PIECE, limits.max_bytes + 1 - size))
+        if not isinstance(part, bytes | bytearray):
+            raise InvalidRequest("the file object must be opened in binary mode ('rb')", code="bad_image_source")
+        if not part:
+            break
+        parts.append(bytes(part))
+        size += len(part)
+    if size > limits.max_bytes:
+        raise _too_large(size, limits)
+    return b"".join(parts)
 
 
 def _from_data_url(url: str, limits: ImageLimits) -> bytes:

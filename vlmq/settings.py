@@ -151,6 +151,9 @@ class Settings:
                                 "(`Client(webhook=...)` and `submit(webhook=...)` override it)", shown="none")
     max_queue_depth: str = _setting("0", PRODUCER, "waiting jobs allowed per class, `N` or `xs=N,s=M`; a submit "
                                     "that would pass it raises `QueueFull`", shown="`0` (no limit)")
+    batch_max_bad_share: float = _setting(0.5, PRODUCER, "share of a batch file's lines that may be bad (each "
+                                          "goes to the error file, the rest run); past it the file is refused "
+                                          "whole and nothing runs", parse=float)
     tenant: str = _setting("", PRODUCER, "tenant id (`[a-z0-9-]`, at most 32): scopes this producer's job ids, "
                            "keys and storage prefix (see docs/security.md)", shown="none (untenanted)")
     # -- read by workers -----------------------------------------------------------------------
@@ -233,6 +236,8 @@ class Settings:
                      "visibility_timeout", "max_attempts", "affinity_queue_bound", "affinity_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.batch_max_bad_share <= 1:
+            raise ValueError(f"batch_max_bad_share must be between 0 and 1, got {self.batch_max_bad_share}")
         if not self.broker_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"broker_url must be a redis:// URL, got {self.broker_url!r}")
         if not self.storage_url.startswith(("s3://", "file://")):

@@ -213,7 +213,7 @@ class FileStorage(Storage):
         digest = hashlib.sha256()
         try:
             with self._path(key).open("rb") as f:
-                while chunk := f.read(1 << 20):
+                while chunk := f.read(64 << 10):  # read(n) allocates n bytes, however small the file
                     digest.update(chunk)
         except (FileNotFoundError, IsADirectoryError):
             return False
