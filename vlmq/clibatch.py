@@ -11,6 +11,7 @@ from vlmq.cliformat import batch_lines, emit
 from vlmq.progress import Progress
 
 ClientFactory = Callable[[argparse.Namespace], Any]
+SHOWN_REFUSED = 10  # refused lines printed by ``batch submit``
 
 
 def _ended_well(batch: dict[str, Any]) -> bool:
@@ -22,10 +23,24 @@ def _submit(args: argparse.Namespace, client_of: ClientFactory) -> int:
         batch = client.submit_batch(args.file, completion_window=args.completion_window, priority=args.priority,
                                     max_new_tokens=args.max_tokens, webhook=args.webhook,
                                     allow_outside_paths=args.allow_outside_paths)
+        obj = batch.refresh()
+        if obj["request_counts"].get("rejected"):
+            _report_refused(batch, obj["request_counts"])
         if args.wait:
             return _follow(batch, args)
-        emit(batch.refresh(), args.json, [batch.id] if not args.json else None)
+        emit(obj, args.json, [batch.id] if not args.json else None)
     return 0
+
+
+def _report_refused(batch: Any, counts: dict[str, int]) -> None:
+    """On stderr: how many lines were refused at submit, and the first few (all are in the error file)."""
+    print(f"{counts['rejected']} of {counts['total']} line(s) refused (the rest run; each is in the error file):",
+          file=sys.stderr)
+    for entry in batch.rejected()[:SHOWN_REFUSED]:
+        error = entry["response"]["body"]["error"]
+        print(f"  line {error['line']}: {error['code']}: {error['message']}", file=sys.stderr)
+    if counts["rejected"] > SHOWN_REFUSED:
+        print(f"  ... and {counts['rejected'] - SHOWN_REFUSED} more", file=sys.stderr)
 
 
 def _status(args: argparse.Namespace, client_of: ClientFactory, cancel: bool = False) -> int:
@@ -81,10 +96,12 @@ def add_batch(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: 
               client_of: ClientFactory) -> None:
     """The ``batch`` command group."""
     group = sub.add_parser("batch", parents=[common], help="batch files in the OpenAI Batch format (JSONL)",
-                           description="Submit and follow batch files: one /v1/chat/completions request with one "
-                                       "image_url part per line; output and error files in OpenAI's format.")
+                           description="Submit and follow batch files: one /v1/chat/completions request per line; "
+                                       "output and error files in OpenAI's format.")
     commands = group.add_subparsers(dest="batch_command", required=True)
-    p = commands.add_parser("submit", parents=[common], help="validate every line, then enqueue them all")
+    p = commands.add_parser("submit", parents=[common],
+                            help="check every line, then enqueue the good ones (bad lines go to the error file "
+                                 "unless more than VLMQ_BATCH_MAX_BAD_SHARE are bad)")
     p.add_argument("file")
     p.add_argument("--completion-window", default="24h", help="e.g. 24h, 90m (default 24h)")
     p.add_argument("--priority", type=int, default=5)

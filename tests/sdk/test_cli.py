@@ -140,6 +140,13 @@ def test_batch_commands(pool, capsys, tmp_path: Path) -> None:
     code, out, _ = run(capsys, "batch", "download", batch_id, "--output-dir", str(tmp_path / "dl"), *flags)
     errors = (tmp_path / "dl" / f"{batch_id}_errors.jsonl").read_text().splitlines()
     assert code == 0 and [json.loads(x)["custom_id"] for x in errors] == ["r0", "r1", "r2"]
+    mixed = tmp_path / "mixed.jsonl"  # issue 29 item 5: a bad line is refused alone, and said so
+    mixed.write_text(path.read_text() + '{"custom_id": "x"}\n')
+    code, out, err = run(capsys, "batch", "submit", str(mixed), *flags)
+    assert code == 0 and out.strip().startswith("batch_") and "1 of 4 line(s) refused" in err
+    assert "line 4: bad_method" in err
+    code, out, _ = run(capsys, "batch", "status", out.strip(), *flags)
+    assert "4 total, 0 completed, 1 failed; 1 line(s) refused at submit" in out
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"custom_id": "x"}\n')
     code, _, err = run(capsys, "batch", "submit", str(bad), *flags)
