@@ -312,6 +312,15 @@ def _choice(choice: dict[str, Any]) -> dict[str, Any]:
             "logprobs": logprobs, "finish_reason": choice["finish_reason"]}
 
 
+def _json_object(text: str | None) -> dict[str, Any] | None:
+    """A record's JSON object field (a record may be forged: anything else reads as absent)."""
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def output_line(record: dict[str, str], doc: dict[str, Any]) -> dict[str, Any]:
     """One line of the output file: the request's answer as an OpenAI chat completion."""
     usage = doc["usage"]
@@ -320,6 +329,10 @@ def output_line(record: dict[str, str], doc: dict[str, Any]) -> dict[str, Any]:
             "choices": [_choice(c) for c in doc.get("choices") or [doc | {"index": 0}]],
             "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["generated_tokens"],
                       "total_tokens": usage["prompt_tokens"] + usage["generated_tokens"]}}
+    if record.get("service_tier"):  # the tier the line asked for, as its priority applied it
+        body["service_tier"] = record["service_tier"]
+    if (metadata := _json_object(record.get("metadata"))) is not None:
+        body["metadata"] = metadata
     return {"id": f"batch_req_{record['id']}", "custom_id": record.get("custom_id", ""),
             "response": {"status_code": 200, "request_id": record["id"], "body": body}, "error": None}
 

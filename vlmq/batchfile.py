@@ -17,9 +17,12 @@ file's folder unless the caller passes ``allow_outside_paths``; only regular fil
 ``temperature`` (0 to 2) and ``seed`` are applied as ``Client.submit`` applies them; unlike OpenAI, a body without
 ``temperature`` is decoded greedily (temperature 0). The other decoding fields (``stop``, ``top_p``, penalties,
 ``logit_bias``, ``logprobs``, ``top_logprobs`` and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``stop_token_ids``) are applied as ``vlmq.decoding`` checks them. OpenAI's account fields
-(``user``, ``metadata``, ``store``, ``service_tier``: no bearing on the answer) are accepted and have no effect
-(``IGNORED_BODY_FIELDS``); every other field is refused by name.
+``min_tokens``, ``stop_token_ids``) are applied as ``vlmq.decoding`` checks them. OpenAI's account fields are
+applied too (``ACCOUNT_FIELDS``): ``user`` and ``metadata`` are kept on the job's record, ``metadata`` returns in
+the output line's body; ``service_tier`` sets the job's priority (``flex`` two steps below the batch's, ``priority``
+two above, ``auto``/``default`` the batch's) and returns as the tier that served it; ``store`` may be true or
+absent (vlmq stores every result until ``VLMQ_RETENTION``), ``store: false`` is refused. Every other field is
+refused by name.
 Parsing here reads nothing but the file itself (local paths are resolved, not opened); ``Client.submit_batch``
 (``vlmq.batchsubmit``) then loads and prices each line's images, a line at a time, and refuses a bad line alone
 (``LineError.error_line``: OpenAI's error-line shape).
@@ -43,10 +46,13 @@ from vlmq.images import file_url_path
 ENDPOINT = "/v1/chat/completions"
 MAX_CUSTOM_ID_CHARS = 512
 MAX_JSON_DEPTH = 32  # a request needs 7 levels (line, body, messages, message, content, part, image_url)
-# OpenAI account fields, with no bearing on the answer: accepted, no effect
-IGNORED_BODY_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+# OpenAI account fields: no bearing on the answer, each applied (BatchLine.account)
+ACCOUNT_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+SERVICE_TIERS = {"auto": 0, "default": 0, "flex": 2, "priority": -2}  # priority steps (9 lowest .. 0 highest)
+MAX_USER_CHARS = 256
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds
 _BODY_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "stream", "temperature",
-                          "seed"}) | DECODING_FIELDS
+                          "seed"}) | DECODING_FIELDS | ACCOUNT_FIELDS
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included
 _BRACKET = re.compile(r"[\[\]{}]")
@@ -67,6 +73,8 @@ class BatchLine:
         temperature: ``temperature`` (absent or null: 0, greedy).
         seed: ``seed`` (absent or null: None).
         decoding: the body's decoding controls as it names them, checked (``vlmq.decoding``; empty: none).
+        account: the account fields the job's record keeps (``user``, ``metadata`` as JSON, ``service_tier``).
+        priority_step: what ``service_tier`` adds to the batch's priority (``SERVICE_TIERS``).
     """
 
     line: int
@@ -77,6 +85,8 @@ class BatchLine:
     temperature: float = 0.0
     seed: int | None = None
     decoding: dict[str, Any] = field(default_factory=dict)
+    account: dict[str, str] = field(default_factory=dict)
+    priority_step: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +183,7 @@ def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
 
 
 def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Path, anywhere: bool) -> BatchLine:
-    unknown = sorted(set(body) - _BODY_FIELDS - IGNORED_BODY_FIELDS)
+    unknown = sorted(set(body) - _BODY_FIELDS)
     if unknown:
         raise InvalidRequest(f"body field(s) {', '.join(unknown)} are not supported", code="unsupported_field")
     if not isinstance(body.get("model"), str):
@@ -191,7 +201,49 @@ def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Pat
     rules.check_seed(seed)
     decoding = {k: body[k] for k in DECODING_FIELDS & body.keys()}  # as OpenAI names them: JobRequest.decoding
     check_decoding(decoding, limit)
-    return BatchLine(number, custom_id, body["model"], messages, limit, temperature, seed, decoding)
+    account, step = account_fields(body)
+    return BatchLine(number, custom_id, body["model"], messages, limit, temperature, seed, decoding, account, step)
+
+
+def account_fields(body: dict[str, Any]) -> tuple[dict[str, str], int]:
+    """A body's ``user``, ``metadata``, ``store`` and ``service_tier``, checked: the record fields they become
+    and the priority step of the tier.
+
+    Raises:
+        InvalidRequest: ``bad_user``, ``bad_metadata``, ``unsupported_field`` (``store: false``, an unknown tier).
+    """
+    account: dict[str, str] = {}
+    user = body.get("user")
+    if user is not None:
+        if not isinstance(user, str) or len(user) > MAX_USER_CHARS:
+            raise InvalidRequest(f"user must be a string of at most {MAX_USER_CHARS} characters", code="bad_user")
+        rules.check_utf8(user, "user", "bad_user")
+        account["user"] = user
+    metadata = body.get("metadata")
+    if metadata is not None:
+        account["metadata"] = json.dumps(_metadata(metadata), ensure_ascii=False)
+    if body.get("store") not in (None, True):
+        raise InvalidRequest("store must be true or absent: vlmq stores every result (until VLMQ_RETENTION) and "
+                             "cannot honour store: false", code="unsupported_field")
+    tier = body.get("service_tier")
+    if tier is None:
+        return account, 0
+    if tier not in SERVICE_TIERS:
+        raise InvalidRequest(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {str(tier)[:20]!r}",
+                             code="unsupported_field")
+    account["service_tier"] = "default" if tier == "auto" else tier
+    return account, SERVICE_TIERS[tier]
+
+
+def _metadata(metadata: object) -> dict[str, str]:
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_METADATA_KEY and len(v) <= MAX_METADATA_VALUE
+            for k, v in metadata.items()):
+        raise InvalidRequest(f"metadata must map at most {MAX_METADATA_PAIRS} strings of at most {MAX_METADATA_KEY} "
+                             f"characters to strings of at most {MAX_METADATA_VALUE}", code="bad_metadata")
+    for key, value in metadata.items():
+        rules.check_utf8(key + value, f"metadata {key[:40]!r}", "bad_metadata")
+    return metadata
 
 
 def _image_ref(url: str, base_dir: Path, anywhere: bool) -> str:

@@ -138,35 +138,37 @@ class FileSubmit:
         self._recent = RecentImages()
         self._seen = IdSet()
         self._stored: OrderedDict[str, None] = OrderedDict()  # images this call stored lately (by digest)
-        self._chunk: list[tuple[str, Prepared]] = []
+        self._chunk: list[tuple[dict[str, str], Prepared]] = []  # each line's extra record fields, its request
 
     def check(self, calls: IO[str], rejected: IO[str]) -> Intake:
         """Read the file once: spool each good line's enqueue call and each bad line's error line."""
         base = self.path.resolve().parent
         for number, text in read_lines(self.path):
             try:
-                custom_id, prepared = self._prepare(number, text, base)
+                extra, prepared = self._prepare(number, text, base)
             except InvalidRequest as e:
                 self._refuse(LineError(number, e.code, str(e), custom_id_of(text) if text else None), rejected)
                 continue
             self.intake.good += 1
             self.intake.classes[(prepared.spec.name, prepared.cost.cost_class)] += 1
-            self._chunk.append((custom_id, prepared))
+            self._chunk.append((extra, prepared))
             if len(self._chunk) >= STORE_CHUNK:
                 self._flush(calls)
         self._flush(calls)
         return self.intake
 
-    def _prepare(self, number: int, text: str | None, base: Path) -> tuple[str, Prepared]:
+    def _prepare(self, number: int, text: str | None, base: Path) -> tuple[dict[str, str], Prepared]:
         if text is None:
             raise InvalidRequest("the line is not UTF-8 text", code="bad_json")
         line = parse_line(number, text, base, self.anywhere)
         if not self._seen.add(line.custom_id):
             raise InvalidRequest(f"custom_id {line.custom_id!r} is used by an earlier line", code="duplicate_custom_id")
-        request = JobRequest(messages=line.messages, model=line.model, priority=self.priority,
+        priority = min(max(self.priority + line.priority_step, 0), 9)  # service_tier
+        request = JobRequest(messages=line.messages, model=line.model, priority=priority,
                              max_new_tokens=line.max_new_tokens or self.max_new_tokens, webhook="",
                              temperature=line.temperature, seed=line.seed, decoding=line.decoding)
-        return line.custom_id, self.client._prepare(request, self._recent)
+        extra = {"batch_id": self.batch_id, "custom_id": line.custom_id, **line.account}
+        return extra, self.client._prepare(request, self._recent)
 
     def _refuse(self, error: LineError, rejected: IO[str]) -> None:
         self.intake.bad += 1
@@ -182,10 +184,9 @@ class FileSubmit:
             self._stored[sha] = None
         while len(self._stored) > RECENT_STORED:
             self._stored.popitem(last=False)
-        for custom_id, prepared in self._chunk:
+        for extra, prepared in self._chunk:
             job_id = keys.tenant_job_id(self.client.tenant, new_job_id())
-            call_keys, args = self.client._enqueue_call(job_id, prepared, {"batch_id": self.batch_id,
-                                                                          "custom_id": custom_id})
+            call_keys, args = self.client._enqueue_call(job_id, prepared, extra)
             calls.write(json.dumps([job_id, call_keys, [_text(a) for a in args]]) + "\n")
         self._chunk.clear()
 

@@ -1,6 +1,5 @@
 """Every Chat Completions body field (and vLLM's extras) in a batch line is applied or refused by name: a field
-that parses must land in what the line carries to its job. The four OpenAI account fields are the documented
-exception (accepted, no bearing on the answer)."""
+that parses must land in what the line carries to its job (the four OpenAI account fields: on its record)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmq.batchfile import IGNORED_BODY_FIELDS, parse_line
+from vlmq.batchfile import parse_line
 from vlmq.errors import InvalidRequest
 
 IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLv"
@@ -24,7 +23,7 @@ VALUES = {
     "tools": [], "tool_choice": "none", "parallel_tool_calls": False, "reasoning_effort": "low",
     "stream_options": {"include_usage": True}, "ignore_eos": True, "prompt_logprobs": 1, "allowed_token_ids": [1],
     "bad_words": ["x"], "structured_outputs": {"regex": "a"}, "mm_processor_kwargs": {"max_pixels": 1},
-    "cache_salt": "s", "priority": 1, "user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+    "cache_salt": "s", "priority": 1, "user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "flex",
 }
 
 
@@ -32,7 +31,9 @@ def carried(line) -> dict:
     """Where each applied body field ends up on the parsed line."""
     out = {"max_completion_tokens": line.max_new_tokens, "max_tokens": line.max_new_tokens,
            "temperature": line.temperature, "seed": line.seed, "stream": False}
-    return out | dict(line.decoding)
+    account = {"user": line.account.get("user"), "service_tier": line.account.get("service_tier"),
+               "metadata": json.loads(line.account.get("metadata", "null"))}
+    return out | dict(line.decoding) | account
 
 
 @pytest.mark.parametrize("field", sorted(VALUES))
@@ -46,7 +47,20 @@ def test_each_body_field_is_applied_or_refused_by_name(field: str, tmp_path: Pat
     except InvalidRequest as e:
         assert field in str(e), (field, str(e))  # refused, naming the field
         return
-    if field in IGNORED_BODY_FIELDS:
-        assert field in {"user", "metadata", "store", "service_tier"}
-        return
     assert carried(line).get(field) == VALUES[field], field  # accepted: carried to the job as sent
+
+
+def test_the_account_fields_reach_the_record_and_the_priority(tmp_path: Path) -> None:
+    def parsed(**body: object):
+        text = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"model": "tiny-shapes", "messages": MESSAGES, **body}})
+        return parse_line(1, text, tmp_path)
+
+    assert [parsed(service_tier=t).priority_step for t in ("auto", "default", "flex", "priority")] == [0, 0, 2, -2]
+    assert parsed(service_tier="auto").account == {"service_tier": "default"} and parsed(store=True).account == {}
+    for body, code in (({"service_tier": "scale"}, "unsupported_field"), ({"store": False}, "unsupported_field"),
+                       ({"user": "u" * 257}, "bad_user"), ({"metadata": {str(i): "v" for i in range(17)}},
+                                                          "bad_metadata"), ({"metadata": {"k": 1}}, "bad_metadata")):
+        with pytest.raises(InvalidRequest) as err:
+            parsed(**body)
+        assert err.value.code == code, body

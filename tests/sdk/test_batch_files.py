@@ -457,3 +457,23 @@ def test_a_line_that_is_not_utf8_is_refused_alone(client: Client, tmp_path: Path
     [refused] = batch.rejected()
     assert refused["response"]["body"]["error"]["code"] == "bad_json" and refused["response"]["body"]["error"][
         "line"] == 3 and queued(client) == 3
+
+
+def test_a_lines_account_fields_are_kept_and_its_tier_sets_its_priority(client: Client, tmp_path: Path) -> None:
+    image = data_url(png())
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join([line("flex", image, service_tier="flex", user="ana", metadata={"doc": "7"}),
+                               line("fast", image, service_tier="priority", store=True), line("plain", image)]) + "\n")
+    batch = client.submit_batch(path, priority=5)
+    records = {r["custom_id"]: r for r in (client.job(j.decode()).info() for j in
+                                           client.redis.lrange(keys.batch_jobs(batch.id), 0, -1))}
+    assert {k: r["priority"] for k, r in records.items()} == {"flex": "7", "fast": "3", "plain": "5"}
+    assert records["flex"]["user"] == "ana" and json.loads(records["flex"]["metadata"]) == {"doc": "7"}
+    assert "user" not in records["plain"] and "service_tier" not in records["plain"]
+    doc = {"model": "tiny-shapes", "text": "3", "finish_reason": "stop",
+           "usage": {"prompt_tokens": 9, "generated_tokens": 1}}
+    body = batches.output_line(records["flex"], doc)["response"]["body"]
+    assert body["service_tier"] == "flex" and body["metadata"] == {"doc": "7"}
+    assert "metadata" not in batches.output_line(records["plain"], doc)["response"]["body"]
+    forged = records["plain"] | {"metadata": "[not an object"}
+    assert "metadata" not in batches.output_line(forged, doc)["response"]["body"]
