@@ -14,8 +14,9 @@ string or a list of ``text`` and ``image_url`` parts in any order, images in use
 ``{"type": "image"}``, rendered by the model folder's chat template where it stands) and the image references in
 order. The record stores that form beside the images' input keys; :func:`check_chat` is the rule both the SDK
 and the worker apply to it. A field we accept is a field we apply: anything else (a ``name``, ``tool_calls``, a
-``tool`` turn, an ``input_audio`` part, ...) is refused naming it. The one exception is ``image_url.detail``
-(``auto``, ``low``, ``high``): checked, but every image gets the model's own pixel bounds for now.
+``tool`` turn, an ``input_audio`` part, ...) is refused naming it. An ``image_url`` may carry OpenAI's ``detail``
+and vlmq's ``min_pixels`` / ``max_pixels``: kept on its engine-form part (``{"type": "image", "detail": "low"}``)
+and applied by ``vlmq.resolution.image_policy``, in the SDK's price and the worker's resize alike.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmq.errors import InvalidRequest
+from vlmq.resolution import BOUND_FIELDS, check_bounds
 from vlmq.text import check_utf8
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -32,9 +34,6 @@ MAX_MESSAGES = 256
 # OpenAI fields of a message or part that vlmq does not apply: refused by name, never dropped
 _UNAPPLIED = frozenset({"name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio", "prefix"})
 _UNAPPLIED_PARTS = frozenset({"input_audio", "file", "refusal", "video_url", "input_image"})
-# image_url.detail: checked, and not applied yet (every image gets the model's own pixel bounds, as "auto"): the
-# one OpenAI field accepted without effect, since OpenAI's own batch examples carry it (issue 29, item 3 applies it)
-DETAILS = ("auto", "low", "high")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +64,17 @@ def with_urls(messages: list[dict[str, Any]], urls: Sequence[str]) -> list[dict[
     it = iter(urls)
 
     def part(p: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "image_url", "image_url": {"url": next(it)}} if p["type"] == "image" else p
+        if p["type"] != "image":
+            return p
+        return {"type": "image_url", "image_url": {"url": next(it), **{k: v for k, v in p.items() if k != "type"}}}
 
     return [m if isinstance(m["content"], str) else {**m, "content": [part(p) for p in m["content"]]}
             for m in messages]
+
+
+def image_parts(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The engine form's image parts, in order (each with the bounds it asks for, if any)."""
+    return [p for m in messages if not isinstance(m["content"], str) for p in m["content"] if p["type"] == "image"]
 
 
 def parse_messages(messages: object, *, max_images: int, max_chars: int) -> Chat:
@@ -112,7 +118,7 @@ def check_chat(messages: object, num_images: int, *, max_images: int, max_chars:
         if not isinstance(content, str) and (not isinstance(content, list) or not content):
             raise InvalidRequest(f"{where}.content must be a string or a non-empty list of parts", code="bad_messages")
         for j, part in enumerate([{"type": "text", "text": content}] if isinstance(content, str) else content):
-            if part == {"type": "image"} and message["role"] == "user":
+            if _is_image(part, f"{where}.content[{j}]") and message["role"] == "user":
                 parts += 1
             elif isinstance(part, dict) and set(part) == {"type", "text"} and part["type"] == "text":
                 chars += _text(part["text"], f"{where}.content[{j}].text")
@@ -125,6 +131,14 @@ def check_chat(messages: object, num_images: int, *, max_images: int, max_chars:
     if chars > max_chars:
         raise InvalidRequest(f"the messages have {chars} characters of text; the limit is {max_chars} "
                              "(VLMQ_MAX_PROMPT_CHARS)", code="prompt_too_long")
+
+
+def _is_image(part: object, where: str) -> bool:
+    """An engine-form image part: ``{"type": "image"}`` with at most the bounds ``check_bounds`` keeps."""
+    if not isinstance(part, dict) or part.get("type") != "image" or not set(part) <= {"type", *BOUND_FIELDS}:
+        return False
+    bounds = {k: v for k, v in part.items() if k != "type"}
+    return check_bounds(bounds, where) == bounds
 
 
 def check_image_count(count: int, max_images: int) -> None:
@@ -188,24 +202,22 @@ def _part(part: object, where: str, role: str, images: list[str]) -> dict[str, A
         _refuse_fields(part, {"type", "image_url"}, where)
         if role != "user":
             raise InvalidRequest(f"{where}: images belong in user turns, not {role} turns", code="bad_messages")
-        images.append(_image_url(part.get("image_url"), f"{where}.image_url"))
-        return {"type": "image"}
+        url, bounds = _image_url(part.get("image_url"), f"{where}.image_url")
+        images.append(url)
+        return {"type": "image", **bounds}
     code = "unsupported_field" if kind in _UNAPPLIED_PARTS else "bad_messages"
     raise InvalidRequest(f"{where}.type {str(kind)[:40]!r} is not supported; a part is text or image_url", code=code)
 
 
-def _image_url(value: object, where: str) -> str:
+def _image_url(value: object, where: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"{where} must be an object {{url}}", code="bad_messages")
-    _refuse_fields(value, {"url", "detail"}, where)
+    _refuse_fields(value, {"url", *BOUND_FIELDS}, where)
     url = value.get("url")
     if not isinstance(url, str) or not url:
         raise InvalidRequest(f"{where}.url must be a non-empty string (a data: URL, a path or a storage URI), "
                              f"got {type(url).__name__}", code="bad_messages")
-    if "detail" in value and value["detail"] not in DETAILS:
-        raise InvalidRequest(f"{where}.detail {str(value['detail'])[:20]!r} is not one of {', '.join(DETAILS)}",
-                             code="bad_messages")
-    return url
+    return url, check_bounds(value, where)
 
 
 def _refuse_fields(item: Mapping[str, Any], allowed: set[str], where: str) -> None:

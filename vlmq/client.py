@@ -18,7 +18,7 @@ import redis as redis_lib
 from vlmq import affinity, cachestats, functions, idempotency, keys, prompttokens, rules
 from vlmq import batch as batches
 from vlmq.batchsubmit import submit_file
-from vlmq.chat import parse_messages, single_turn
+from vlmq.chat import image_parts, parse_messages, single_turn
 from vlmq.cost import estimate_job
 from vlmq.decoding import check_decoding
 from vlmq.errors import BackendError, InvalidRequest, QueueFull
@@ -28,6 +28,7 @@ from vlmq.models import ModelSpec, cost_classes, model_folder, resolve_model
 from vlmq.prepared import Input, Prepared
 from vlmq.queue import DEFAULT_PRIORITY
 from vlmq.request import DEFAULT_MODEL, JobRequest
+from vlmq.resolution import image_policy
 from vlmq.settings import Settings
 from vlmq.storage import ObjectTooLarge, Storage, open_storage
 from vlmq.store import JobStore, now
@@ -310,8 +311,9 @@ class Client:
             parse_messages(request.messages, max_images=s.max_images_per_job, max_chars=s.max_prompt_chars)
         assert chat is not None or request.image is not None  # JobRequest.__post_init__: messages, or an image
         refs = chat.images if chat is not None else (request.image,)
+        policies = None if chat is None else [image_policy(spec.policy, p) for p in image_parts(chat.messages)]
         inputs = tuple(self._load(ref, loaded) for ref in refs if ref is not None)
-        cost = estimate_job([(i.info.width, i.info.height) for i in inputs], spec.policy, cost_classes(s))
+        cost = estimate_job([(i.info.width, i.info.height) for i in inputs], spec.policy, cost_classes(s), policies)
         prompttokens.check_prompt(model_folder(spec), spec.family, single_turn(request.prompt or "") if chat is None
                                   else chat.messages, request.max_new_tokens, s.text_token_bound)
         return Prepared(request, spec, inputs, cost, webhook, chat, decoding)

@@ -430,15 +430,17 @@ class JobCost:
 
 
 def estimate_job(sizes: Sequence[tuple[int, int]], policy: ImagePolicy = ResolutionPolicy(),
-                 classes: CostClasses = CostClasses()) -> JobCost:
-    """Prices a job's images, each ``(width, height)`` as displayed, by :func:`estimate`.
+                 classes: CostClasses = CostClasses(), policies: Sequence[ImagePolicy] | None = None) -> JobCost:
+    """Prices a job's images, each ``(width, height)`` as displayed, by :func:`estimate`: each with its own of
+    ``policies`` where given (its ``detail`` / pixel bounds: ``vlmq.resolution``), else with ``policy``.
 
     Raises:
         InvalidRequest: see :func:`estimate`; ``too_many_vision_tokens`` when the images together fall in the top
             class and cost more than its bound, the largest image the policy takes (what workers budget a job of
             the top class for, ``vlmq.models.class_cost``).
     """
-    images = tuple(estimate(w, h, policy, classes) for w, h in sizes)
+    each = policies if policies is not None else [policy] * len(sizes)
+    images = tuple(estimate(w, h, p, classes) for (w, h), p in zip(sizes, each, strict=True))
     tokens, limit = sum(e.vision_tokens for e in images), policy.max_vision_tokens()
     cost_class = classes.classify(tokens)
     if cost_class == classes.top and tokens > limit:

@@ -74,10 +74,11 @@ def test_openai_documented_example_is_accepted(client: Client, tmp_path: Path) -
     assert obj["expires_at"] - obj["created_at"] == 24 * 3600 and obj["endpoint"] == "/v1/chat/completions"
     records = [client.job(j.decode()).info() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
     assert [r["custom_id"] for r in records] == ["request-1", "request-2"]
-    # the system turn stays a system turn (rendered where the chat template puts it), not glued into the user's text
+    # the system turn stays a system turn (rendered where the chat template puts it), not glued into the user's
+    # text; the image keeps its detail, which the worker applies
     assert json.loads(records[0]["messages"]) == [
         {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": [{"type": "text", "text": "Hello world!"}, {"type": "image"}]}]
+        {"role": "user", "content": [{"type": "text", "text": "Hello world!"}, {"type": "image", "detail": "low"}]}]
     assert "prompt" not in records[0] and records[0]["image_count"] == "1"
     assert records[1]["max_new_tokens"] == "1000" and records[1]["batch_id"] == batch.id
     assert queued(client) == 2

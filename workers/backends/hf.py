@@ -12,6 +12,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from vlmq.chat import image_parts
 from vlmq.errors import InvalidRequest
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, is_canceled
 from vlmq.workers.engine.sequence import FinishReason
@@ -81,6 +82,10 @@ class HFBackend(Backend):
         for i, r in enumerate(requests):
             if r.controls:  # refused by name, never dropped
                 outputs[i] = InvalidRequest(f"the hf reference backend does not apply {', '.join(sorted(r.controls))}; "
+                                            "use the engine backend", code="unsupported_control")
+                continue
+            if r.messages is not None and any(set(p) - {"type"} for p in image_parts(r.messages)):
+                outputs[i] = InvalidRequest("the hf reference backend does not apply image detail or pixel bounds; "
                                             "use the engine backend", code="unsupported_control")
                 continue
             groups.setdefault((r.max_new_tokens, r.ignore_eos), []).append(i)

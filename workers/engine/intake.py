@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
+from vlmq.chat import image_parts
+from vlmq.errors import InvalidRequest
 from vlmq.images import pixel_hash
+from vlmq.resolution import image_policy
 from vlmq.workers.models.processor import ChatPrompt, single_turn
 
 from .encoder_cache import make_key
@@ -109,8 +112,10 @@ class Preprocessor:
         sampling, stopper = self.sampling(req)
         template_ids = self.chat.template_ids(messages)  # each image one placeholder: checked before any pixel work
         check_text_tokens(self.chat.text_tokens(template_ids), req)
-        try:
-            pixel_values, grid_thw = self.image_preprocessor(list(images))  # patches [P, D] or tiles [T, 3, S, S]
+        policies = self._policies(messages)  # each image's detail / pixel bounds (vlmq.resolution)
+        try:  # patches [P, D] or tiles [T, 3, S, S]
+            pixel_values, grid_thw = self.image_preprocessor(list(images), policies=policies) if policies else \
+                self.image_preprocessor(list(images))
         except ValueError as e:
             raise RequestRejected(str(e), "invalid_image") from e
         counts = self.model.image_counts(grid_thw)  # (encoder patches, LM tokens) of each image
@@ -121,12 +126,26 @@ class Preprocessor:
         positions, delta = self.positions(ids, grid_thw, req.max_new_tokens)
         # Without sharing, every request gets its own key: no encoder-cache or image-prefix reuse across requests.
         settings = self.settings if self.share else {**self.settings, "request": request_id}
-        placeholders = tuple(ImagePlaceholder(make_key(pixel_hash(image), self.model_id, settings, req.cache_salt),
-                                              at, num_tokens, num_patches)
-                             for image, at, (num_patches, num_tokens) in zip(images, offsets, counts, strict=True))
+        # an image resized to other bounds is another encoder input: its own key in every cache
+        each = [settings if p is None else {**settings, "policy": asdict(p)} for p in policies or [None] * len(images)]
+        placeholders = tuple(ImagePlaceholder(make_key(pixel_hash(image), self.model_id, image_settings,
+                                                       req.cache_salt), at, num_tokens, num_patches)
+                             for image, at, (num_patches, num_tokens), image_settings
+                             in zip(images, offsets, counts, each, strict=True))
         seq = Sequence(request_id, ids, images=placeholders, sampling=sampling, priority=req.priority,
                        cache_salt=req.cache_salt or "", stopper=stopper, grammar=self._grammar(req))
         return Prepared(seq, pixel_values, grid_thw, positions, delta)
+
+    def _policies(self, messages: list[dict]) -> list[Any] | None:
+        """Each image part's resolution policy where any part asks for its own bounds (None: none does)."""
+        parts = image_parts(messages)
+        if not any(set(part) - {"type"} for part in parts):
+            return None
+        base = self.image_preprocessor.policy
+        try:
+            return [image_policy(base, part) for part in parts]
+        except InvalidRequest as e:  # checked at submit with the same rule: a record written by another version
+            raise RequestRejected(str(e), e.code) from e
 
     def sampling(self, req: Request) -> tuple[SamplingParams, StopMatcher | None]:
         """The request's sampling parameters and, where it has stop strings, their matcher."""

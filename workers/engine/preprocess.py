@@ -70,15 +70,18 @@ class ImagePreprocessor:
         return 3 * self.policy.temporal_patch_size * self.policy.patch_size**2
 
     def __call__(
-        self, images: Sequence[Image.Image | np.ndarray], executor: Executor | None = None
+        self, images: Sequence[Image.Image | np.ndarray], executor: Executor | None = None,
+        policies: Sequence[ResolutionPolicy] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RGB images (PIL mode "RGB" or uint8 arrays [H, W, 3]) -> pixel_values [P, 3*Tp*p*p] float32 and
         image_grid_thw [N, 3] int64, as the transformers processor returns them for the same images.
 
         Every image is checked before any work starts. With an executor, images are processed in parallel, each
-        writing its own rows of one output buffer (no concatenation copy)."""
+        writing its own rows of one output buffer (no concatenation copy). ``policies``: each image's own pixel
+        bounds (``vlmq.resolution.image_policy``; the same patch sizes as ``policy``), else ``policy``'s."""
         checked = [_checked_rgb(image) for image in images]
-        sizes = [smart_resize(*_height_width(image), self.policy) for image in checked]
+        each = policies if policies is not None else [self.policy] * len(checked)
+        sizes = [smart_resize(*_height_width(image), pol) for image, pol in zip(checked, each, strict=True)]
         p = self.policy.patch_size
         grid = torch.tensor([(1, h // p, w // p) for h, w in sizes], dtype=torch.int64).view(-1, 3)
         ends = np.cumsum([0] + [h * w // (p * p) for h, w in sizes]).tolist()
