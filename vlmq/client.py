@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
-from vlmq import affinity, cachestats, functions, idempotency, keys, prompttokens, rules
+from vlmq import affinity, cachestats, functions, idempotency, keys, prompttokens, remote, rules
 from vlmq import batch as batches
 from vlmq.batchfile import BatchLine, LineError, parse_line, read_lines
 from vlmq.chat import parse_messages, single_turn
@@ -345,6 +345,9 @@ class Client:
         return loaded[image]
 
     def _read_input(self, image: ImageSource) -> Input:
+        if remote.is_remote(image):  # priced from its header; the worker fetches it (vlmq.remote)
+            fetched = remote.price(str(image), self.settings, self._limits)
+            return Input(b"", fetched.info(), fetched.sha256, fetched)
         data = self._read_storage_uri(image) if isinstance(image, str) and is_storage_url(image) else \
             load_source(image, self._limits)
         return Input(data, probe(data, self._limits), hashlib.sha256(data).hexdigest())
@@ -353,6 +356,9 @@ class Client:
         try:
             key = self.storage.key_of(uri)
         except ValueError as e:
+            if uri.lower().startswith("s3://"):  # another bucket or prefix than the pool's
+                raise InvalidRequest(f"cannot read {uri}: {e}; this SDK reads s3:// images from the pool's own "
+                                     "storage only", code="fetch_refused") from e
             raise InvalidRequest(f"cannot read {uri}: {e}", code="bad_image_source") from e
         if not key.startswith(keys.storage_prefix(self.tenant)):
             raise InvalidRequest(f"{uri} is outside tenant {self.tenant!r}'s objects; a tenant's inputs must lie "
@@ -374,7 +380,7 @@ class Client:
             fresh = self._claim_idempotency(items, job_ids, claimed, wait_for_room)
             self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
             # durability: every input is stored before any message that names it becomes visible
-            self._store_inputs(list({x.sha256: x for i in fresh for x in items[i].inputs}.values()))
+            self._store_inputs(list({x.sha256: x for i in fresh for x in items[i].inputs if not x.fetch}.values()))
             self._enqueue([(job_ids[i], items[i], extra[i] if extra else {}) for i in fresh])
         except BaseException:
             if claimed:
