@@ -27,6 +27,7 @@ from vlmq.jobs import Job, new_job_id
 from vlmq.models import ModelSpec, cost_classes, model_folder, resolve_model
 from vlmq.prepared import Input, Prepared
 from vlmq.queue import DEFAULT_PRIORITY
+from vlmq.remote_s3 import in_pool_bucket
 from vlmq.request import DEFAULT_MODEL, JobRequest
 from vlmq.settings import Settings
 from vlmq.storage import ObjectTooLarge, Storage, open_storage
@@ -345,20 +346,21 @@ class Client:
         return loaded[image]
 
     def _read_input(self, image: ImageSource) -> Input:
-        if remote.is_remote(image):  # priced from its header; the worker fetches it (vlmq.remote)
+        if remote.is_remote(image) or self._foreign_s3(image):  # priced from its header; fetched by the worker
             fetched = remote.price(str(image), self.settings, self._limits)
             return Input(b"", fetched.info(), fetched.sha256, fetched)
         data = self._read_storage_uri(image) if isinstance(image, str) and is_storage_url(image) else \
             load_source(image, self._limits)
         return Input(data, probe(data, self._limits), hashlib.sha256(data).hexdigest())
 
+    def _foreign_s3(self, image: ImageSource) -> bool:
+        """An ``s3://`` URI in another bucket than the pool's (``vlmq.remote`` refuses it unless allowed)."""
+        return remote.is_s3(image) and not in_pool_bucket(str(image), self.settings)  # the pool's: read below
+
     def _read_storage_uri(self, uri: str) -> bytes:
         try:
             key = self.storage.key_of(uri)
         except ValueError as e:
-            if uri.lower().startswith("s3://"):  # another bucket or prefix than the pool's
-                raise InvalidRequest(f"cannot read {uri}: {e}; this SDK reads s3:// images from the pool's own "
-                                     "storage only", code="fetch_refused") from e
             raise InvalidRequest(f"cannot read {uri}: {e}", code="bad_image_source") from e
         if not key.startswith(keys.storage_prefix(self.tenant)):
             raise InvalidRequest(f"{uri} is outside tenant {self.tenant!r}'s objects; a tenant's inputs must lie "

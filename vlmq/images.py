@@ -473,8 +473,8 @@ def load_source(image: ImageSource, limits: ImageLimits = DEFAULT_LIMITS) -> byt
     ``file:///path`` URL (read as the local path); a ``data:...;base64,`` URL; a PIL
     image (re-encoded losslessly as PNG, current frame only, keeping its EXIF
     orientation). ``s3://`` strings are refused here: ``Client.submit`` resolves them
-    itself from the pool's bucket (see :func:`is_storage_url`). Other URL schemes
-    such as ``http://`` are refused: remote fetching is not supported yet.
+    itself (see :func:`is_storage_url`), as it does ``https://`` URLs (``vlmq.remote``:
+    fetched by the worker). Other URL schemes are refused.
 
     Args:
         image: the image source.
@@ -507,8 +507,8 @@ def load_source(image: ImageSource, limits: ImageLimits = DEFAULT_LIMITS) -> byt
             return _from_data_url(image, limits)
         if _SCHEME.match(image):
             raise InvalidRequest(
-                f"cannot load {image[:80]!r}: remote URLs are not supported yet; download the image and pass its "
-                "bytes or path, or upload it to storage and pass its s3:// URL",
+                f"cannot load {image[:80]!r} here: pass https:// URLs to Client.submit (its workers fetch them), "
+                "or pass the image's bytes or path",
                 code="bad_image_source",
             )
         if not image:

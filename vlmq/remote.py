@@ -1,4 +1,8 @@
-"""Images where they live: ``https://`` URLs priced at submit from their header, fetched by the worker.
+"""Images where they live: ``https://`` URLs and ``s3://`` objects in other buckets, priced at submit from their
+header, fetched by the worker.
+
+``s3://bucket/key`` of a bucket that ``VLMQ_IMAGE_FETCH_ALLOW`` lists (``s3://bucket``) goes the same way through
+the storage client (a ranged ``get_object``; ``vlmq.remote_s3``); the pool's own bucket is never read this way.
 
 At submit (:func:`price`) the SDK checks the URL against ``VLMQ_IMAGE_FETCH_ALLOW`` and reads only the first
 bytes of the image (``Range: bytes=0-N``, N growing from 64 KiB while the header is cut short; a server that
@@ -25,6 +29,7 @@ from vlmq import keys
 from vlmq.errors import InvalidRequest
 from vlmq.fetch import FetchError, FetchPolicy, Response, get
 from vlmq.images import ImageInfo, ImageLimits, probe, probe_head
+from vlmq.remote_s3 import s3_get
 from vlmq.settings import Settings
 from vlmq.webhook_guard import Resolver, parse_networks
 
@@ -33,8 +38,13 @@ GROWTH = 8
 
 
 def is_remote(value: object) -> bool:
-    """Whether an image argument is an ``https://`` URL (fetched by the worker, priced from its header)."""
-    return isinstance(value, str) and value[:8].lower() == "https://"
+    """Whether an image argument is an ``http(s)://`` URL (fetched by the worker, priced from its header; plain
+    ``http://`` is refused by the fetch with ``fetch_refused``)."""
+    return isinstance(value, str) and value[:8].lower().startswith(("https://", "http://"))
+
+
+def is_s3(value: object) -> bool:
+    return isinstance(value, str) and value[:5].lower() == "s3://"
 
 
 def allowed_hosts(settings: Settings) -> tuple[frozenset[str], tuple[str, ...]]:
@@ -93,6 +103,13 @@ class Descriptor:
         return ImageInfo(self.format, self.width, self.height, self.orientation, self.mode, 1)
 
 
+def _get(url: str, settings: Settings, limits: ImageLimits, resolver: Resolver | None,
+         first_bytes: int | None = None) -> Response:
+    if is_s3(url):
+        return s3_get(url, settings, limits.max_bytes, first_bytes)
+    return get(url, policy(settings, resolver), max_bytes=limits.max_bytes, first_bytes=first_bytes)
+
+
 def _total_size(r: Response) -> int:
     if r.status == 206:
         total = r.headers.get("content-range", "").rpartition("/")[2]
@@ -109,10 +126,10 @@ def price(url: str, settings: Settings, limits: ImageLimits, resolver: Resolver 
         InvalidRequest: the codes of :class:`vlmq.fetch.FetchError` (``fetch_refused``, ``fetch_failed``,
             ``fetch_timeout``, ``fetch_too_large``) and of :func:`vlmq.images.probe_head` (``not_an_image``, ...).
     """
-    fetch_policy, want = policy(settings, resolver), FIRST_BYTES
+    want = FIRST_BYTES
     while True:
         try:
-            r = get(url, fetch_policy, max_bytes=limits.max_bytes, first_bytes=want)
+            r = _get(url, settings, limits, resolver, want)
         except FetchError as e:
             raise InvalidRequest(e.message, code=e.code) from None
         total = _total_size(r)
@@ -146,7 +163,7 @@ def descriptors(record: Mapping[str, str]) -> dict[str, Descriptor]:
     except (ValueError, TypeError, AttributeError) as e:
         raise InvalidRequest(f"job record fetches is not a map of descriptors: {e}", code="bad_record") from None
     for key, d in found.items():
-        if keys.input_sha256(key) != d.sha256 or not is_remote(d.url):
+        if keys.input_sha256(key) != d.sha256 or not (is_remote(d.url) or is_s3(d.url)):
             raise InvalidRequest(f"job record fetches entry {key[:80]!r} does not match its key", code="bad_record")
     return found
 
@@ -158,7 +175,7 @@ def fetch(d: Descriptor, settings: Settings, limits: ImageLimits, resolver: Reso
         FetchError: ``fetch_refused``, ``fetch_failed``, ``fetch_timeout``, ``fetch_too_large``, and
             ``fetch_changed`` when the size, the header bytes or the probed layout differ from ``d``.
     """
-    data = get(d.url, policy(settings, resolver), max_bytes=limits.max_bytes).body
+    data = _get(d.url, settings, limits, resolver).body
     if len(data) != d.size or hashlib.sha256(data[:d.head_len]).hexdigest() != d.head_sha256:
         raise FetchError("fetch_changed", f"{d.url[:120]!r} changed since it was priced ({len(data)} bytes now, "
                          f"{d.size} then); submit the job again")

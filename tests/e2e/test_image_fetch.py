@@ -23,11 +23,13 @@ from test_jobrunner import EchoBackend
 from test_webhook_https import LOCAL, Pem, make_cert, server_context
 from workerproc import TINY_CLASSES, WorkerProcess
 
-from vlmq import keys, remote
+from vlmq import keys, remote, remote_s3
 from vlmq.client import Client
 from vlmq.errors import InvalidRequest, JobFailed
+from vlmq.fetch import FetchError
 from vlmq.images import ImageLimits
 from vlmq.settings import Settings
+from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.batcher import Batcher
 from vlmq.workers.jobrunner import WorkerContext, run_job
 
@@ -205,6 +207,34 @@ def test_a_non_image_body_is_refused_at_submit(settings: Settings, server: Image
     assert refused.value.code == "not_an_image"
 
 
+class SizesBackend(EchoBackend):
+    """Answers with the sizes of the images it was handed, in order."""
+
+    @staticmethod
+    def _one(r: GenRequest) -> GenOutput | Exception:
+        images = r.images or (r.image,)
+        return GenOutput(",".join(f"{i.width}x{i.height}" for i in images), [1], "length", 7, len(images))
+
+
+def test_a_chat_mixes_fetched_and_uploaded_images_in_order(settings: Settings, server: ImageServer) -> None:
+    server.routes["/first.jpg"] = Route(jpeg((96, 64)))
+    small = io.BytesIO()
+    Image.new("RGB", (48, 32), (9, 9, 9)).save(small, "PNG")
+    inline = f"data:image/png;base64,{base64.b64encode(small.getvalue()).decode()}"
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": server.url("/first.jpg")}}, {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": inline}}, {"type": "text", "text": "compare"}]}]
+    with Client(settings=settings) as client:
+        job = client.submit(messages=messages, max_new_tokens=3)
+        record = client.store.read(job.id)
+        input_keys = json.loads(record["input_keys"])
+        assert list(json.loads(record["fetches"])) == input_keys[:1]  # only the first is fetched
+        assert not client.storage.exists(input_keys[0]) and client.storage.exists(input_keys[1])
+        ctx = WorkerContext(settings, client.redis, client.storage, Batcher(SizesBackend(), 4), "tiny-shapes", "unit")
+        run_job(ctx, job.id)
+        assert job.result(timeout=5).text == "96x64,48x32"
+
+
 # --- the worker's fetch: every hop checked, caps, changed bytes --------------------------------------------------
 
 def submitted(client: Client, server: ImageServer, path: str, body: bytes) -> Any:
@@ -339,3 +369,63 @@ def test_a_real_worker_answers_a_fetched_image_as_it_answers_a_data_url(redis_ur
     assert a.token_ids == b.token_ids and a.text == b.text
     assert ("/scene.png", "") in server.requests  # the worker fetched it
     assert hashlib.sha256(image).hexdigest() != keys.input_sha256(client.store.read(fetched.id)["input_key"])
+
+
+# --- s3:// objects in other buckets the operator allows -------------------------------------------------------
+
+OTHER = "vlmq-test-images"  # a bucket beside the pool's
+
+
+@pytest.fixture
+def s3_settings(redis_url: str, redis_client: Any, s3_server: Any, s3_storage_url: str) -> Iterator[Settings]:
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_server.url).create_bucket(Bucket=OTHER)
+    yield Settings(broker_url=redis_url, storage_url=s3_storage_url, s3_endpoint_url=s3_server.url,
+                   image_fetch_allow=f"s3://{OTHER}", image_fetch_timeout=5.0)
+
+
+def put_other(settings: Settings, key: str, data: bytes) -> str:
+    import boto3
+
+    boto3.client("s3", endpoint_url=settings.s3_endpoint_url).put_object(Bucket=OTHER, Key=key, Body=data)
+    return f"s3://{OTHER}/{key}"
+
+
+def test_an_object_in_an_allowed_bucket_is_priced_from_a_range_and_fetched_by_the_worker(
+        s3_settings: Settings) -> None:
+    image = jpeg((640, 480)) + b"\0" * 300_000
+    uri = put_other(s3_settings, "photos/a.jpg", image)
+    with Client(settings=s3_settings) as client:
+        job = client.submit(uri, "hello", max_new_tokens=3)
+        record = client.store.read(job.id)
+        priced = json.loads(json.loads(record["fetches"])[record["input_key"]])
+        assert (priced["size"], priced["head_len"]) == (len(image), remote.FIRST_BYTES)  # a ranged read
+        assert not client.storage.exists(record["input_key"])  # nothing copied into the pool
+        run_job(worker(client, s3_settings), job.id)
+        assert job.result(timeout=5).text == "echo: hello"
+        changed = client.submit(put_other(s3_settings, "photos/b.jpg", jpeg((64, 64))), "hello", max_new_tokens=3)
+        put_other(s3_settings, "photos/b.jpg", jpeg((80, 64)))  # replaced after pricing
+        run_job(worker(client, s3_settings), changed.id)
+        assert job_error(changed).error_type == "fetch_changed"
+
+
+def test_other_buckets_and_the_pools_own_bucket_outside_its_prefix_are_refused(s3_settings: Settings) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_settings.s3_endpoint_url).create_bucket(Bucket="vlmq-not-allowed")
+    pool_bucket = s3_settings.storage_url[5:].split("/")[0]
+    with Client(settings=s3_settings) as client:
+        for uri in ("s3://vlmq-not-allowed/a.jpg", f"s3://{OTHER}"):
+            with pytest.raises(InvalidRequest) as refused:
+                client.submit(uri, "hello", max_new_tokens=3)
+            assert refused.value.code == "fetch_refused", uri
+        with pytest.raises(InvalidRequest) as outside:  # the pool's own bucket is read as inputs, never fetched
+            client.submit(f"s3://{pool_bucket}/elsewhere/a.jpg", "hello", max_new_tokens=3)
+        assert outside.value.code == "bad_image_source"
+        with pytest.raises(FetchError) as forged:  # what a worker does with a forged record naming it
+            remote_s3.s3_get(f"s3://{pool_bucket}/elsewhere/a.jpg", s3_settings, 1000)
+        assert forged.value.code == "fetch_refused"
+        with pytest.raises(InvalidRequest) as missing:
+            client.submit(f"s3://{OTHER}/no-such.jpg", "hello", max_new_tokens=3)
+        assert missing.value.code == "fetch_failed"

@@ -113,7 +113,7 @@ def test_every_bad_line_is_refused_with_its_number_and_nothing_is_enqueued(clien
     assert "line 11: bad_json" in str(err.value) and "line 16: bad_image_source" in str(err.value)
     codes = {e.line: e.code for e in err.value.errors}
     assert codes[14] == "bad_method" and codes[17] == "bad_image_source" and codes[18] == "image_not_found"
-    assert codes[34] == "duplicate_custom_id" and codes[35] == "unknown_model" and codes[38] == "bad_image_source"
+    assert codes[34] == "duplicate_custom_id" and codes[35] == "unknown_model" and codes[38] == "fetch_refused"
     assert codes[40] == "image_count" and codes[41] == "bad_messages", codes
     assert queued(client) == 0 and not client.redis.keys(keys.job("*"))
     failed = client.batch(err.value.batch_id).refresh()
