@@ -358,15 +358,18 @@ def test_a_real_worker_answers_a_fetched_image_as_it_answers_a_data_url(redis_ur
     question = "How many shapes are there?"
     with Client(settings=settings) as client:
         fetched = client.submit(server.url("/scene.png"), question, max_new_tokens=16)
-        inline = client.submit(f"data:image/png;base64,{base64.b64encode(image).decode()}", question,
-                               max_new_tokens=16)
         worker_process = WorkerProcess(settings, tmp_path / "worker.log")
         try:
             worker_process.wait_ready()
-            a, b = fetched.result(timeout=300), inline.result(timeout=300)
+            a = fetched.result(timeout=300)
+            inline = client.submit(f"data:image/png;base64,{base64.b64encode(image).decode()}", question,
+                                   max_new_tokens=16)
+            b = inline.result(timeout=300)
+            encoded = client.cache_stats()["models"]["tiny-shapes"]["counters"]["encoded_images"]
         finally:
             worker_process.stop()
     assert a.token_ids == b.token_ids and a.text == b.text
+    assert encoded == 1  # the uploaded copy hit the cache the fetched image filled (pixel hashes, not addresses)
     assert ("/scene.png", "") in server.requests  # the worker fetched it
     assert hashlib.sha256(image).hexdigest() != keys.input_sha256(client.store.read(fetched.id)["input_key"])
 
