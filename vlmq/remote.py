@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import socket
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from vlmq import keys
 from vlmq.errors import InvalidRequest
@@ -54,7 +54,7 @@ def allowed_hosts(settings: Settings) -> tuple[frozenset[str], tuple[str, ...]]:
     return frozenset(n for n in names if not n.startswith("*.")), tuple(n[1:] for n in names if n.startswith("*."))
 
 
-def host_check(settings: Settings) -> Any:
+def host_check(settings: Settings) -> Callable[[str], None]:
     """A ``check_host`` for :class:`vlmq.fetch.FetchPolicy`: refuses names ``VLMQ_IMAGE_FETCH_ALLOW`` lacks."""
     exact, suffixes = allowed_hosts(settings)
 
@@ -71,10 +71,9 @@ def policy(settings: Settings, resolver: Resolver | None = None) -> FetchPolicy:
     """The fetch policy ``settings`` describe (``resolver``: a stand-in for ``socket.getaddrinfo`` in tests)."""
     from vlmq.delivery import tls_context
 
-    extra = {"resolver": resolver} if resolver is not None else {}
     return FetchPolicy(host_check(settings), parse_networks(settings.image_fetch_networks),
                        settings.image_fetch_timeout, settings.image_fetch_redirects, settings.image_fetch_retries,
-                       tls=tls_context(settings.image_fetch_ca_file), **extra)
+                       tls=tls_context(settings.image_fetch_ca_file), resolver=resolver or socket.getaddrinfo)
 
 
 @dataclass(frozen=True, slots=True)

@@ -300,6 +300,7 @@ def test_a_trickling_server_is_cut_by_the_total_time_cap(settings: Settings, ser
         run_job(worker(client, settings), job.id)
         error = job_error(job)
     assert error.error_type == "fetch_timeout" and error.retryable
+    assert server.requests.count(("/slow.jpg", "")) == 1 + settings.image_fetch_retries  # a timeout is retried
 
 
 def test_5xx_answers_are_retried(settings: Settings, server: ImageServer) -> None:
