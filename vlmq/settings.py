@@ -147,8 +147,8 @@ class Settings:
                                       shown="none (only the pool's own storage)")
     image_fetch_networks: str = _setting("", BOTH, "networks exempt from the image-fetch address guard (the "
                                          "webhook guard's rules), e.g. `127.0.0.1/32`", shown="none")
-    image_fetch_timeout: float = _setting(30.0, BOTH, "seconds one image fetch may take in all (every redirect "
-                                          "hop, TLS handshake and read together)", parse=float)
+    image_fetch_timeout: float = _setting(30.0, BOTH, "seconds one attempt of an image fetch may take in all "
+                                          "(every redirect hop, TLS handshake and read together)", parse=float)
     image_fetch_redirects: int = _setting(3, BOTH, "most redirects an image fetch follows (each hop checked "
                                           "again)")
     image_fetch_retries: int = _setting(2, BOTH, "retries of an image fetch after a 5xx answer, a timeout or a "

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(120)
 LOOPBACK = "127.0.0.1/32 ::1/128"
 ALLOW = "localhost *.example.test"
 NAMES = {"cdn.example.test": LOCAL, "private.example.test": "10.1.2.3", "meta.example.test": "169.254.169.254",
-         "six.example.test": "::1"}
+         "six.example.test": "::1", "nat64.example.test": "64:ff9b::a9fe:a9fe"}
 
 
 def jpeg(size: tuple[int, int] = (96, 64), colour: tuple[int, int, int] = (30, 120, 200)) -> bytes:
@@ -158,6 +158,7 @@ def test_a_header_past_the_first_read_is_read_again_with_a_longer_range(settings
     ("https://private.example.test/a.jpg", "fetch_refused"),  # allowed name, resolves to 10/8
     ("https://meta.example.test/a.jpg", "fetch_refused"),  # resolves to 169.254.169.254
     ("https://six.example.test/a.jpg", "fetch_refused"),  # resolves to ::1 (not allow-listed here)
+    ("https://nat64.example.test/a.jpg", "fetch_refused"),  # the metadata address through NAT64
     ("http://cdn.example.test/a.jpg", "fetch_refused"),  # https only
     ("https://user:pw@cdn.example.test/a.jpg", "fetch_refused"),
 ])
