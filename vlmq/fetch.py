@@ -121,7 +121,7 @@ def _attempt(url: str, policy: FetchPolicy, max_bytes: int, first_bytes: int | N
             return response
         location = response.headers.get("location", "")
         if not location:
-            raise FetchError("fetch_failed", f"{_short(url)} answered {response.status} without a Location")
+            raise FetchError("fetch_failed", f"{shown(url)} answered {response.status} without a Location")
         url = urljoin(url, location)
     raise FetchError("fetch_failed", f"more than {policy.max_redirects} redirects (VLMQ_IMAGE_FETCH_REDIRECTS)")
 
@@ -131,14 +131,14 @@ def _target(url: str, policy: FetchPolicy) -> tuple[str, int, str]:
     try:
         scheme, host, port = split_url(url)
     except Refused as e:
-        raise FetchError("fetch_refused", str(e).replace("webhook", "image")) from None
+        raise FetchError("fetch_refused", str(e).replace("a webhook", "an image").replace("webhook", "image")) from None
     if scheme != "https":
-        raise FetchError("fetch_refused", f"{_short(url)}: images are fetched over https:// only")
+        raise FetchError("fetch_refused", f"{shown(url)}: images are fetched over https:// only")
     policy.check_host(host)
     try:
         return host, port, resolve(host, port, policy.networks, policy.resolver)
     except Refused as e:
-        raise FetchError("fetch_refused", f"{_short(url)} refused: {e}; internal hosts need "
+        raise FetchError("fetch_refused", f"{shown(url)} refused: {e}; internal hosts need "
                          "VLMQ_IMAGE_FETCH_NETWORKS") from None
     except OSError as e:  # the name did not resolve: maybe later
         raise FetchError("fetch_failed", f"cannot resolve {host}: {e}", retryable=True) from None
@@ -148,7 +148,7 @@ def _hop(url: str, policy: FetchPolicy, max_bytes: int, first_bytes: int | None,
     host, port, ip = _target(url, policy)
     left = deadline - time.monotonic()
     if left <= 0:
-        raise FetchError("fetch_timeout", f"{_short(url)}: out of time (VLMQ_IMAGE_FETCH_TIMEOUT)", retryable=True)
+        raise FetchError("fetch_timeout", f"{shown(url)}: out of time (VLMQ_IMAGE_FETCH_TIMEOUT)", retryable=True)
     conn = _FetchHTTPS(host, port, ip, left, policy.tls or tls_context())
     watchdog = threading.Timer(left, conn.abort)
     watchdog.daemon = True
@@ -163,12 +163,12 @@ def _hop(url: str, policy: FetchPolicy, max_bytes: int, first_bytes: int | None,
             raise _timed_out(url, policy) from None
         raise
     except ssl.SSLCertVerificationError as e:
-        raise FetchError("fetch_failed", f"{_short(url)}: TLS certificate rejected: {e.verify_message or e}; a "
+        raise FetchError("fetch_failed", f"{shown(url)}: TLS certificate rejected: {e.verify_message or e}; a "
                          "private CA goes in VLMQ_IMAGE_FETCH_CA_FILE") from None
     except (OSError, http.client.HTTPException) as e:
         if conn.aborted or isinstance(e, TimeoutError):
             raise _timed_out(url, policy) from None
-        raise FetchError("fetch_failed", f"{_short(url)}: {type(e).__name__}: {e}", retryable=True) from None
+        raise FetchError("fetch_failed", f"{shown(url)}: {type(e).__name__}: {e}", retryable=True) from None
     finally:
         watchdog.cancel()
         conn.close()
@@ -190,35 +190,36 @@ def _answer(response: http.client.HTTPResponse, url: str, max_bytes: int) -> Res
     if response.status in REDIRECTS:
         return Response(response.status, got, b"", url)
     if response.status >= 500:
-        raise FetchError("fetch_failed", f"{_short(url)} answered HTTP {response.status}", retryable=True)
+        raise FetchError("fetch_failed", f"{shown(url)} answered HTTP {response.status}", retryable=True)
     if response.status not in (200, 206):
-        raise FetchError("fetch_failed", f"{_short(url)} answered HTTP {response.status}")
+        raise FetchError("fetch_failed", f"{shown(url)} answered HTTP {response.status}")
     return Response(response.status, got, _read_capped(response, url, max_bytes), url)
 
 
 def _read_capped(response: http.client.HTTPResponse, url: str, max_bytes: int) -> bytes:
     declared = response.getheader("content-length") or ""
     if response.status == 200 and declared.isdigit() and int(declared) > max_bytes:
-        raise FetchError("fetch_too_large", f"{_short(url)} is {declared} bytes, over the limit of {max_bytes} "
+        raise FetchError("fetch_too_large", f"{shown(url)} is {declared} bytes, over the limit of {max_bytes} "
                          "(VLMQ_MAX_IMAGE_BYTES)")
     chunks, total = [], 0
     while chunk := response.read1(CHUNK):
         total += len(chunk)
         if total > max_bytes:
-            raise FetchError("fetch_too_large", f"{_short(url)} sent more than {max_bytes} bytes "
+            raise FetchError("fetch_too_large", f"{shown(url)} sent more than {max_bytes} bytes "
                              "(VLMQ_MAX_IMAGE_BYTES)")
         chunks.append(chunk)
     body = b"".join(chunks)
     if declared.isdigit() and len(body) != int(declared):
-        raise FetchError("fetch_failed", f"{_short(url)}: the answer ended after {len(body)} of {declared} bytes",
+        raise FetchError("fetch_failed", f"{shown(url)}: the answer ended after {len(body)} of {declared} bytes",
                          retryable=True)
     return body
 
 
 def _timed_out(url: str, policy: FetchPolicy) -> FetchError:
-    return FetchError("fetch_timeout", f"{_short(url)}: no complete answer within {policy.timeout:g} s "
+    return FetchError("fetch_timeout", f"{shown(url)}: no complete answer within {policy.timeout:g} s "
                       "(VLMQ_IMAGE_FETCH_TIMEOUT)", retryable=True)
 
 
-def _short(url: str) -> str:
-    return repr(url[:120])
+def shown(url: str) -> str:
+    """The URL for messages and logs, without its query (a presigned URL's signature stays out of them)."""
+    return repr(url.partition("?")[0][:120])

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 from vlmq import keys
 from vlmq.errors import InvalidRequest
-from vlmq.fetch import FetchError, FetchPolicy, Response, get
+from vlmq.fetch import FetchError, FetchPolicy, Response, get, shown
 from vlmq.images import ImageInfo, ImageLimits, probe, probe_head
 from vlmq.remote_s3 import s3_get
 from vlmq.settings import Settings
@@ -114,7 +114,7 @@ def _total_size(r: Response) -> int:
         total = r.headers.get("content-range", "").rpartition("/")[2]
         if total.isdigit():
             return int(total)
-        raise FetchError("fetch_failed", f"{r.url[:120]!r} answered 206 without a total size in Content-Range")
+        raise FetchError("fetch_failed", f"{shown(r.url)} answered 206 without a total size in Content-Range")
     return len(r.body)
 
 
@@ -133,7 +133,7 @@ def price(url: str, settings: Settings, limits: ImageLimits, resolver: Resolver 
             raise InvalidRequest(e.message, code=e.code) from None
         total = _total_size(r)
         if total > limits.max_bytes:
-            raise InvalidRequest(f"{url[:120]!r} is {total} bytes, over the limit of {limits.max_bytes} "
+            raise InvalidRequest(f"{shown(url)} is {total} bytes, over the limit of {limits.max_bytes} "
                                  "(VLMQ_MAX_IMAGE_BYTES)", code="fetch_too_large")
         whole = len(r.body) >= total
         try:
@@ -176,14 +176,14 @@ def fetch(d: Descriptor, settings: Settings, limits: ImageLimits, resolver: Reso
     """
     data = _get(d.url, settings, limits, resolver).body
     if len(data) != d.size or hashlib.sha256(data[:d.head_len]).hexdigest() != d.head_sha256:
-        raise FetchError("fetch_changed", f"{d.url[:120]!r} changed since it was priced ({len(data)} bytes now, "
+        raise FetchError("fetch_changed", f"{shown(d.url)} changed since it was priced ({len(data)} bytes now, "
                          f"{d.size} then); submit the job again")
     try:
         info = probe(data, limits)
     except InvalidRequest as e:
-        raise FetchError("fetch_changed", f"{d.url[:120]!r} no longer holds a valid image ({e.code}: {e})") from None
+        raise FetchError("fetch_changed", f"{shown(d.url)} no longer holds a valid image ({e.code}: {e})") from None
     priced = (d.format, d.width, d.height, d.orientation, d.mode)
     if (info.format, info.width, info.height, info.orientation, info.mode) != priced:
-        raise FetchError("fetch_changed", f"{d.url[:120]!r} is now {info.format} {info.width}x{info.height}, "
+        raise FetchError("fetch_changed", f"{shown(d.url)} is now {info.format} {info.width}x{info.height}, "
                          f"priced as {d.format} {d.width}x{d.height}; submit the job again")
     return data
