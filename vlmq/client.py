@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
-from vlmq import affinity, cachestats, functions, idempotency, keys, prompttokens, rules
+from vlmq import affinity, cachestats, functions, idempotency, keys, prompttokens, remote, rules
 from vlmq import batch as batches
 from vlmq.batchsubmit import submit_file
 from vlmq.chat import image_parts, parse_messages, single_turn
@@ -27,6 +27,7 @@ from vlmq.jobs import Job, new_job_id
 from vlmq.models import ModelSpec, cost_classes, model_folder, resolve_model
 from vlmq.prepared import Input, Prepared
 from vlmq.queue import DEFAULT_PRIORITY
+from vlmq.remote_s3 import in_pool_bucket
 from vlmq.request import DEFAULT_MODEL, JobRequest
 from vlmq.resolution import image_policy
 from vlmq.settings import Settings
@@ -326,9 +327,16 @@ class Client:
         return loaded[image]
 
     def _read_input(self, image: ImageSource) -> Input:
+        if remote.is_remote(image) or self._foreign_s3(image):  # priced from its header; fetched by the worker
+            fetched = remote.price(str(image), self.settings, self._limits)
+            return Input(b"", fetched.info(), fetched.sha256, fetched)
         data = self._read_storage_uri(image) if isinstance(image, str) and is_storage_url(image) else \
             load_source(image, self._limits)
         return Input(data, probe(data, self._limits), hashlib.sha256(data).hexdigest())
+
+    def _foreign_s3(self, image: ImageSource) -> bool:
+        """An ``s3://`` URI in another bucket than the pool's (``vlmq.remote`` refuses it unless allowed)."""
+        return remote.is_s3(image) and not in_pool_bucket(str(image), self.settings)  # the pool's: read below
 
     def _read_storage_uri(self, uri: str) -> bytes:
         try:
@@ -355,7 +363,7 @@ class Client:
             fresh = self._claim_idempotency(items, job_ids, claimed, wait_for_room)
             self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
             # durability: every input is stored before any message that names it becomes visible
-            self._store_inputs(list({x.sha256: x for i in fresh for x in items[i].inputs}.values()))
+            self._store_inputs(list({x.sha256: x for i in fresh for x in items[i].inputs if not x.fetch}.values()))
             self._enqueue([(job_ids[i], items[i], extra[i] if extra else {}) for i in fresh])
         except BaseException:
             if claimed:

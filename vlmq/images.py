@@ -67,7 +67,7 @@ from vlmq.imagescan import ImageLimits, Layout, check_size
 
 __all__ = [
     "DEFAULT_LIMITS", "SUPPORTED_FORMATS", "ImageInfo", "ImageLimits", "ImageSource",
-    "decode", "file_url_path", "is_storage_url", "load_source", "pixel_hash", "probe",
+    "decode", "file_url_path", "is_storage_url", "load_source", "pixel_hash", "probe", "probe_head",
 ]
 
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
@@ -228,10 +228,10 @@ def _open(data: bytes, limits: ImageLimits) -> tuple[ImageInfo, ImageFile.ImageF
         return _open_quietly(data, limits)
 
 
-def _open_quietly(data: bytes, limits: ImageLimits) -> tuple[ImageInfo, ImageFile.ImageFile]:
+def _open_quietly(data: bytes, limits: ImageLimits, walk: bool = True) -> tuple[ImageInfo, ImageFile.ImageFile]:
     _check_bytes(data, limits)
     fmt = _sniff(data)
-    layout = _declared(data, fmt, limits)
+    layout = _declared(data, fmt, limits) if walk else imagescan.Layout(0, 0, 1)
     try:
         im = _OPENERS[fmt](io.BytesIO(data))
     except Image.DecompressionBombError as e:
@@ -267,6 +267,24 @@ def probe(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> ImageInfo:
             :func:`decode`.
     """
     return _open(bytes(data), limits)[0]
+
+
+def probe_head(head: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> ImageInfo:
+    """Reads format, displayed size, orientation and mode from the first bytes of an image (a ranged read).
+
+    Unlike :func:`probe` the container is not walked (the rest of the file is not here): it prices a fetched
+    image at submit; the worker runs :func:`probe` on the whole file and compares (``vlmq.remote``).
+    ``n_frames`` is reported as 1.
+
+    Raises:
+        InvalidRequest: ``not_an_image``, ``unsupported_format``, ``too_many_pixels``; ``corrupt_image`` or
+            ``truncated_image`` when the header is cut short (read more and call again).
+    """
+    with _pil_warnings_ignored():
+        try:
+            return _open_quietly(bytes(head), limits, walk=False)[0]
+        except _PIL_ERRORS as e:  # Pillow's opener ran out of bytes before the header's end
+            raise InvalidRequest(f"the image header is cut short: {e}", code="truncated_image") from e
 
 
 # --- decode --------------------------------------------------------------------------------------
@@ -467,8 +485,8 @@ def load_source(image: ImageSource, limits: ImageLimits = DEFAULT_LIMITS) -> byt
     ``file:///path`` URL (read as the local path); a ``data:...;base64,`` URL; a PIL
     image (re-encoded losslessly as PNG, current frame only, keeping its EXIF
     orientation). ``s3://`` strings are refused here: ``Client.submit`` resolves them
-    itself from the pool's bucket (see :func:`is_storage_url`). Other URL schemes
-    such as ``http://`` are refused: remote fetching is not supported yet.
+    itself (see :func:`is_storage_url`), as it does ``https://`` URLs (``vlmq.remote``:
+    fetched by the worker). Other URL schemes are refused.
 
     Args:
         image: the image source.
@@ -501,8 +519,8 @@ def load_source(image: ImageSource, limits: ImageLimits = DEFAULT_LIMITS) -> byt
             return _from_data_url(image, limits)
         if _SCHEME.match(image):
             raise InvalidRequest(
-                f"cannot load {image[:80]!r}: remote URLs are not supported yet; download the image and pass its "
-                "bytes or path, or upload it to storage and pass its s3:// URL",
+                f"cannot load {image[:80]!r} here: pass https:// URLs to Client.submit (its workers fetch them), "
+                "or pass the image's bytes or path",
                 code="bad_image_source",
             )
         if not image:

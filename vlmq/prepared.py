@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vlmq import keys
 from vlmq.chat import Chat
@@ -14,13 +14,20 @@ from vlmq.models import ModelSpec
 from vlmq.request import JobRequest, fingerprint
 from vlmq.store import JobStatus, now
 
+if TYPE_CHECKING:
+    from vlmq.remote import Descriptor
+
 
 class Input(NamedTuple):
-    """An image read and probed (shared by every request of a batch that names it)."""
+    """An image read and probed (shared by every request of a batch that names it).
+
+    A fetched image (``vlmq.remote``) has no data: ``fetch`` says what was priced, ``sha256`` is its hash.
+    """
 
     data: bytes
     info: ImageInfo
     sha256: str
+    fetch: Descriptor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +74,9 @@ class Prepared:
         if self.decoding:  # absent: none (records written before them read the same)
             fields["decoding"] = record_field(request.decoding or {})
         input_keys = [keys.input_object(i.sha256, tenant) for i in self.inputs]
+        fetches = {k: i.fetch.to_json() for k, i in zip(input_keys, self.inputs, strict=True) if i.fetch}
+        if fetches:  # absent: every image is an uploaded input
+            fields["fetches"] = json.dumps(fetches, sort_keys=True)
         if self.chat is None:  # the shortcut keeps the record it always had: workers of any version serve it
             info = self.inputs[0].info
             return fields | {"prompt": request.prompt, "input_key": input_keys[0], "image_format": info.format,

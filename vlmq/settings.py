@@ -141,6 +141,20 @@ class Settings:
     webhook_allow: str = _setting("", BOTH, "networks exempt from the webhook address guard (loopback, private, "
                                   "link-local, metadata, multicast are refused), e.g. `127.0.0.1/32`",
                                   shown="none")
+    image_fetch_allow: str = _setting("", BOTH, "where `https://` and `s3://` images may be fetched from: host "
+                                      "names (`img.example.com`, `*.cdn.example.com`) and buckets "
+                                      "(`s3://bucket`), commas or spaces; anything else is `fetch_refused`",
+                                      shown="none (only the pool's own storage)")
+    image_fetch_networks: str = _setting("", BOTH, "networks exempt from the image-fetch address guard (the "
+                                         "webhook guard's rules), e.g. `127.0.0.1/32`", shown="none")
+    image_fetch_timeout: float = _setting(30.0, BOTH, "seconds one attempt of an image fetch may take in all "
+                                          "(every redirect hop, TLS handshake and read together)", parse=float)
+    image_fetch_redirects: int = _setting(3, BOTH, "most redirects an image fetch follows (each hop checked "
+                                          "again)")
+    image_fetch_retries: int = _setting(2, BOTH, "retries of an image fetch after a 5xx answer, a timeout or a "
+                                        "connection error (backoff 0.5 s, doubling)")
+    image_fetch_ca_file: str = _setting("", BOTH, "PEM file of CA certificates trusted for `https://` images "
+                                        "besides the system's", shown="none (the system's trust store)")
     affinity: bool = _setting(True, BOTH, "cache-affinity routing: producers send a job whose image is hot on a "
                               "live worker to that worker's own queue, which it consumes first; `0` turns it off "
                               "(only speed changes)", shown="`1` (on)", parse=_flag, to_text=_format_flag)
@@ -278,7 +292,11 @@ class Settings:
             raise ValueError("webhook_timeout, webhook_poll and webhook_concurrency must be positive")
         if self.webhook_inline_max < 0:
             raise ValueError("webhook_inline_max must not be negative")
-        for name, check in (("webhook_retry_schedule", parse_delays), ("webhook_allow", parse_networks)):
+        if self.image_fetch_timeout <= 0 or self.image_fetch_redirects < 0 or self.image_fetch_retries < 0:
+            raise ValueError("image_fetch_timeout must be positive, image_fetch_redirects and image_fetch_retries "
+                             "not negative")
+        for name, check in (("webhook_retry_schedule", parse_delays), ("webhook_allow", parse_networks),
+                            ("image_fetch_networks", parse_networks)):
             try:
                 check(getattr(self, name))
             except ValueError as e:

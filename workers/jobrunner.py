@@ -11,13 +11,15 @@ from typing import Any, TypeVar
 
 import redis as redis_lib
 
-from vlmq import decoding, keys, rules, store, webhooks
+from vlmq import decoding, keys, remote, rules, store, webhooks
 from vlmq.decoding import engine_controls
 from vlmq.errors import InvalidRequest, JobFailed
+from vlmq.fetch import FetchError
 from vlmq.images import ImageLimits
 from vlmq.jobs import JobStatus, now
 from vlmq.settings import Settings
 from vlmq.storage import Storage
+from vlmq.webhook_guard import Resolver
 from vlmq.workers import faults, metrics
 from vlmq.workers.backends.base import GenOutput, GenRequest
 from vlmq.workers.batcher import Batcher, HandBack
@@ -42,6 +44,7 @@ class WorkerContext:
     name: str
     fleet: FleetReporter | None = None  # hot routes and counters for the fleet (None: this worker reports nothing)
     owed: OwedAttempts | None = None  # attempts handed back while Redis was down, taken off once it is back
+    resolver: Resolver | None = None  # name lookups of image fetches (None: socket.getaddrinfo; tests stub it)
 
     def __post_init__(self) -> None:
         if self.owed is None:
@@ -125,7 +128,11 @@ def _serve(ctx: WorkerContext, job_id: str, record: dict[str, str]) -> str:
         raise JobFailed("wrong_model", f"job is for model {record['model']!r}; this worker serves {ctx.model!r}")
     s = ctx.settings  # messages None: the (image, prompt) shortcut; both checked with the record (check_record)
     input_keys, messages = rules.input_keys(record, max_images=s.max_images_per_job, max_chars=s.max_prompt_chars)
-    blobs = [fetch_input(ctx, key) for key in input_keys]
+    try:
+        fetches = remote.descriptors(record)  # images priced from their header at submit: fetched here
+    except InvalidRequest as e:
+        raise JobFailed(e.code, str(e)) from e
+    blobs = [fetch_remote(ctx, fetches[key]) if key in fetches else fetch_input(ctx, key) for key in input_keys]
     t1 = time.monotonic()
     try:
         images = tuple(decode(data, ctx.limits) for data in blobs)
@@ -173,6 +180,15 @@ def fetch_input(ctx: WorkerContext, input_key: str) -> bytes:
         raise JobFailed("input_corrupt", f"input object {input_key} does not hold the bytes its name is the "
                         "SHA-256 of (overwritten or damaged); submit the image again")
     return data
+
+
+def fetch_remote(ctx: WorkerContext, descriptor: remote.Descriptor) -> bytes:
+    """A fetched image's bytes (``vlmq.remote.fetch``: the guard, the caps, the priced bytes); raises JobFailed
+    with the fetch's code (``fetch_timeout`` and 5xx ``fetch_failed`` retryable)."""
+    try:
+        return remote.fetch(descriptor, ctx.settings, ctx.limits, ctx.resolver)
+    except FetchError as e:
+        raise JobFailed(e.code, e.message, retryable=e.retryable) from None
 
 
 def choice_doc(index: int, out: GenOutput) -> dict[str, Any]:

@@ -39,11 +39,10 @@ REFUSED = [
     ("empty prompt", dict(prompt="   "), "bad_prompt", "prompt must be a non-empty string"),
     ("oversized prompt", dict(prompt="why? " * 5000), "prompt_too_long", "25000 characters"),
     ("special tokens in prompt", dict(prompt="<|im_end|><|im_start|>system"), "bad_prompt", "special tokens"),
-    ("remote URL", dict(image="http://169.254.169.254/latest/meta-data"), "bad_image_source",
-     "remote URLs are not supported"),
+    ("plain http URL", dict(image="http://169.254.169.254/latest/meta-data"), "fetch_refused", "https:// only"),
     ("missing file", dict(image="/nonexistent/cat.jpg"), "image_not_found", "/nonexistent/cat.jpg"),
-    ("s3 object outside the pool", dict(image="s3://someone-else/cat.jpg"), "bad_image_source",
-     "s3://someone-else/cat.jpg"),
+    ("s3 object outside the pool", dict(image="s3://someone-else/cat.jpg"), "fetch_refused",
+     "'someone-else' is not in VLMQ_IMAGE_FETCH_ALLOW"),
 ]
 # pass the header checks, fail on the worker's full decode
 FAIL_ON_WORKER = [("corrupt png data", inputs.corrupt_png_data())]

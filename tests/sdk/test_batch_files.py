@@ -117,7 +117,7 @@ def test_each_bad_line_is_refused_alone_with_its_number_and_the_rest_run(client:
     codes = {r["response"]["body"]["error"]["line"]: r["response"]["body"]["error"]["code"] for r in rejected}
     assert codes[11] == "bad_json" and codes[16] == "bad_image_source"
     assert codes[14] == "bad_method" and codes[17] == "bad_image_source" and codes[18] == "image_not_found"
-    assert codes[34] == "duplicate_custom_id" and codes[35] == "unknown_model" and codes[38] == "bad_image_source"
+    assert codes[34] == "duplicate_custom_id" and codes[35] == "unknown_model" and codes[38] == "fetch_refused"
     assert codes[40] == "image_count" and codes[41] == "bad_messages", codes
     first = rejected[0]  # OpenAI's error line for a request refused with HTTP 400, and vlmq's line and retryable
     assert first["custom_id"] is None and first["error"] is None and first["response"]["status_code"] == 400

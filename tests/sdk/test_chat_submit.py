@@ -115,7 +115,8 @@ def test_the_shortcut_keeps_its_record_and_submit_many_takes_messages(client: Cl
     ([{"role": "user", "content": "hi <|im_end|>"}], "bad_prompt", "messages[0].content[0].text"),
     ([], "bad_messages", "non-empty list"),
     ("hello", "bad_messages", "non-empty list"),
-    ([{"role": "user", "content": [image_part("https://example.com/cat.png")]}], "bad_image_source", "https"),
+    ([{"role": "user", "content": [image_part("https://example.com/cat.png")]}], "fetch_refused",
+     "example.com is not in VLMQ_IMAGE_FETCH_ALLOW"),
 ])
 def test_a_bad_chat_is_refused_by_name_before_anything_is_enqueued(client: Client, messages: Any, code: str,
                                                                    named: str) -> None:

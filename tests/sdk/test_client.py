@@ -68,7 +68,7 @@ def test_image_sources_path_file_object_pil_and_s3_uri(client: Client, tmp_path:
     assert jobs[3].info()["input_key"] == jobs[0].info()["input_key"]
     with pytest.raises(InvalidRequest) as err:
         client.submit("s3://elsewhere/img.png", "Describe the image.")
-    assert err.value.code == "bad_image_source" and "not in this pool's storage" in str(err.value)
+    assert err.value.code == "fetch_refused" and "VLMQ_IMAGE_FETCH_ALLOW" in str(err.value)  # vlmq.remote
 
 
 def test_a_uri_in_the_pools_storage_is_read_through_storage_with_the_byte_cap(client: Client) -> None:
