@@ -93,7 +93,7 @@ class RowLengths(StoppingCriteria):
         self.lengths, self.prompt_len = torch.tensor(lengths), prompt_len
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        return (input_ids.shape[1] - self.prompt_len) >= self.lengths
+        return (input_ids.shape[1] - self.prompt_len) >= self.lengths.to(input_ids.device)  # on the model's device
 
 
 @torch.inference_mode()
