@@ -10,8 +10,9 @@ A line looks like::
 
 ``body.messages`` is the job, as ``Client.submit(messages=...)`` takes it (``vlmq.chat``): system, developer, user
 and assistant turns rendered by the model's chat template, any number of images (none too) where their parts
-stand. An ``image_url`` is a ``data:`` URL, an ``s3://`` URI in the pool's storage, a ``file://`` URL or a local
-path (relative paths are read from the batch file's folder). Nothing is fetched from the network. A batch file
+stand. An ``image_url`` is a ``data:`` URL, an ``https://`` URL or an ``s3://`` URI (the pool's storage, or a
+bucket ``VLMQ_IMAGE_FETCH_ALLOW`` lists; fetched by the worker, priced from a ranged read: ``vlmq.remote``), a
+``file://`` URL or a local path (relative paths are read from the batch file's folder). A batch file
 may come from someone else, so local paths and ``file://`` URLs must lead (symlinks resolved) into the batch
 file's folder unless the caller passes ``allow_outside_paths``; only regular files are read (``vlmq.images``).
 ``temperature`` (0 to 2) and ``seed`` are applied as ``Client.submit`` applies them; unlike OpenAI, a body without
@@ -248,13 +249,13 @@ def _metadata(metadata: object) -> dict[str, str]:
 
 def _image_ref(url: str, base_dir: Path, anywhere: bool) -> str:
     lowered = url[:8].lower()
-    if lowered.startswith(("data:", "s3://")):
+    if lowered.startswith(("data:", "s3://", "https://", "http://")):  # http(s): the client prices or refuses it
         return url
     if lowered.startswith("file://"):
         return str(local_path(file_url_path(url), base_dir, anywhere))
     if _SCHEME.match(url):
-        raise InvalidRequest(f"image_url {url[:60]!r}: workers never fetch from the network; use a data: URL, an "
-                             "s3:// URI in the pool's storage or a local path", code="bad_image_source")
+        raise InvalidRequest(f"image_url {url[:60]!r}: not a scheme vlmq reads; use a data: URL, an https:// URL "
+                             "(VLMQ_IMAGE_FETCH_ALLOW), an s3:// URI or a local path", code="bad_image_source")
     return str(local_path(base_dir / url, base_dir, anywhere)) if url else url
 
 

@@ -363,7 +363,7 @@ class Client:
             fresh = self._claim_idempotency(items, job_ids, claimed, wait_for_room)
             self._wait_for_room(Counter((items[i].spec.name, items[i].cost.cost_class) for i in fresh), wait_for_room)
             # durability: every input is stored before any message that names it becomes visible
-            self._store_inputs(list({x.sha256: x for i in fresh for x in items[i].inputs if not x.fetch}.values()))
+            self._store_inputs(list({x.sha256: x for i in fresh for x in items[i].inputs}.values()))
             self._enqueue([(job_ids[i], items[i], extra[i] if extra else {}) for i in fresh])
         except BaseException:
             if claimed:
@@ -372,6 +372,8 @@ class Client:
         return [Job(self.store, job_id) for job_id in job_ids]
 
     def _store_inputs(self, items: list[Input]) -> None:
+        """Store each uploaded input (a fetched one has no bytes here: its worker fetches it)."""
+        items = [x for x in items if not x.fetch]
         if len(items) <= 1:
             for item in items:
                 self._store_input(item)

@@ -130,6 +130,30 @@ def test_submit_reads_only_the_header_and_the_worker_fetches_the_bytes(settings:
         assert set(connections) == {LOCAL}
 
 
+def test_a_batch_file_line_may_name_an_https_image(settings: Settings, server: ImageServer, tmp_path: Path) -> None:
+    server.routes["/b.jpg"] = Route(jpeg((200, 100)))
+
+    def line(custom_id: str, url: str) -> str:
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hello"}]
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"model": "tiny-shapes", "max_tokens": 3,
+                                    "messages": [{"role": "user", "content": content}]}}) + "\n"
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text(line("fetched", server.url("/b.jpg")) + line("elsewhere", "https://nowhere.invalid/x.jpg"))
+    with Client(settings=settings) as client:
+        batch = client.submit_batch(path)
+        [refused] = batch.rejected()
+        assert (refused["custom_id"], refused["response"]["body"]["error"]["code"]) == ("elsewhere", "fetch_refused")
+        [job_id] = [j.decode() for j in client.redis.lrange(keys.batch_jobs(batch.id), 0, -1)]
+        record = client.store.read(job_id)
+        assert json.loads(record["fetches"]) and not client.storage.exists(json.loads(record["input_keys"])[0])
+        run_job(worker(client, settings), job_id)
+        assert server.requests[-1] == ("/b.jpg", "")  # the worker's one full GET
+        assert batch.wait(timeout=10)["request_counts"] == {"total": 2, "completed": 1, "failed": 1, "cancelled": 0,
+                                                            "rejected": 1}
+
+
 def test_a_server_that_ignores_range_is_read_whole_up_to_the_cap(settings: Settings, server: ImageServer) -> None:
     image = jpeg()
     server.routes["/whole.jpg"] = Route(image, honour_range=False)

@@ -41,7 +41,9 @@ class EchoBackend(Backend):
             return InvalidRequest("prompt and image exceed the KV budget", code="request_too_long")
         if "crash" in r.prompt:
             return RuntimeError("device fell over")
-        return GenOutput(f"echo: {r.prompt}", list(range(r.max_new_tokens)), "length", 7, r.image.width)
+        image = r.image if r.image is not None else (r.images[0] if r.images else None)  # a chat: its first image
+        return GenOutput(f"echo: {r.prompt}", list(range(r.max_new_tokens)), "length", 7,
+                         image.width if image is not None else 0)
 
 
 def png() -> bytes:

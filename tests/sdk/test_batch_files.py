@@ -115,8 +115,8 @@ def test_each_bad_line_is_refused_alone_with_its_number_and_the_rest_run(client:
     rejected = batch.rejected()
     assert [r["response"]["body"]["error"]["line"] for r in rejected] == expected
     codes = {r["response"]["body"]["error"]["line"]: r["response"]["body"]["error"]["code"] for r in rejected}
-    assert codes[11] == "bad_json" and codes[16] == "bad_image_source"
-    assert codes[14] == "bad_method" and codes[17] == "bad_image_source" and codes[18] == "image_not_found"
+    assert codes[11] == "bad_json" and codes[16] == "fetch_refused"  # nothing fetched unless allowed (vlmq.remote)
+    assert codes[14] == "bad_method" and codes[17] == "fetch_refused" and codes[18] == "image_not_found"
     assert codes[34] == "duplicate_custom_id" and codes[35] == "unknown_model" and codes[38] == "fetch_refused"
     assert codes[40] == "image_count" and codes[41] == "bad_messages", codes
     first = rejected[0]  # OpenAI's error line for a request refused with HTTP 400, and vlmq's line and retryable
@@ -138,7 +138,7 @@ def test_each_bad_line_is_refused_alone_with_its_number_and_the_rest_run(client:
         with pytest.raises(BatchInvalid) as err:
             client.submit_batch(path, **kwargs)
         assert [e.line for e in err.value.errors] == expected and err.value.refused == 20
-        assert "line 11: bad_json" in str(err.value) and "line 16: bad_image_source" in str(err.value)
+        assert "line 11: bad_json" in str(err.value) and "line 16: fetch_refused" in str(err.value)
         assert "20 line(s) of the batch file were refused of 40, more than the" in str(err.value)
         failed = client.batch(err.value.batch_id)
         obj = failed.refresh()
