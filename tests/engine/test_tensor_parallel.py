@@ -73,6 +73,7 @@ def test_sharded_logits_and_greedy_tokens_equal_the_whole_model(checkpoints: dic
             out = results[str(folder)]
             assert out["max_diff"] <= tolerance(out["max_logit"]), (name, r, out["max_diff"], out["max_logit"])
             assert out["tp"] == out["whole"] == ranks[0][str(folder)]["whole"], name  # every rank: whole logits
+            assert out["loaded_as_cut"], name  # reading only the rank's slices gives the same shard
             assert out["heads"] == text["num_attention_heads"] // size, name
             assert out["kv_heads"] == max(1, text["num_key_value_heads"] // size), name  # split, or one replicated
 

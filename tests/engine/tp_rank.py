@@ -5,7 +5,8 @@
 Joins a gloo group through STORE_FILE; for each model folder, prepares three requests (two with images of different
 sizes, one text only) with the engine's own preprocessor, then drives the engine's ModelRunner with the same
 hand-made steps twice:
-on the model loaded whole (TP = 1) and on this rank's shard of it. Each run is one packed encoder call and a
+on the model loaded whole (TP = 1) and on this rank's shard of it, loaded by shard (and checked equal to the whole
+model cut after loading). Each run is one packed encoder call and a
 prefill of all three, then greedy decode steps of all three in one batch. Writes, per folder, the largest logit
 difference between the two runs, the largest logit, and both runs' greedy tokens.
 """
@@ -73,12 +74,16 @@ def compare(model_dir: str) -> dict:
     engine = Engine.from_model_dir(model_dir, num_blocks=64)  # its preprocessor: the requests as the engine serves
     prepare = lambda: [engine.preprocessor(f"r{i}", r) for i, r in enumerate(requests())]  # noqa: E731
     whole, whole_tokens = run(load_model(model_dir), prepare())
-    shard = shard_language_model(load_model(model_dir), TPGroup.world())
+    shard = load_model(model_dir, tp=TPGroup.world())  # sharded on the meta device, only its slices read
+    cut = shard_language_model(load_model(model_dir), TPGroup.world())  # the whole model loaded, then cut
+    mine, theirs = shard.state_dict(), cut.state_dict()
+    same = mine.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in mine.items())
     ours, our_tokens = run(shard, prepare())
     engine.close()
     return {"max_diff": max((a - b).abs().max().item() for a, b in zip(whole, ours, strict=True)),
             "max_logit": max(a.abs().max().item() for a in whole), "whole": whole_tokens, "tp": our_tokens,
-            "kv_heads": shard.num_kv_heads, "heads": shard.language_model.layers[0].self_attn.num_heads}
+            "kv_heads": shard.num_kv_heads, "loaded_as_cut": same,
+            "heads": shard.language_model.layers[0].self_attn.num_heads}
 
 
 def main() -> None:

@@ -55,13 +55,15 @@ class TPGroup:
 
 
 def column_slice(linear: nn.Linear, start: int, end: int) -> nn.Linear:
-    """A new ``nn.Linear`` with output rows ``[start, end)`` of ``linear`` (its bias sliced alike)."""
+    """A new ``nn.Linear`` with output rows ``[start, end)`` of ``linear`` (its bias sliced alike); on the meta
+    device it holds no data, and ``tp_slices`` tells the shard loader what to read."""
     out = nn.Linear(linear.in_features, end - start, bias=linear.bias is not None,
                     device=linear.weight.device, dtype=linear.weight.dtype)
     with torch.no_grad():
         out.weight.copy_(linear.weight[start:end])
         if linear.bias is not None:
             out.bias.copy_(linear.bias[start:end])
+    out.tp_slices = {"weight": (0, start, end), "bias": (0, start, end)}
     return out
 
 
@@ -76,9 +78,11 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp: TPGroup, start: int, end: int) -> RowParallelLinear:
-        """Input columns ``[start, end)`` of ``linear``."""
+        """Input columns ``[start, end)`` of ``linear`` (the bias whole)."""
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(linear.weight.detach()[:, start:end].clone(), bias, tp)
+        out = cls(linear.weight.detach()[:, start:end].clone(), bias, tp)
+        out.tp_slices = {"weight": (1, start, end)}
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(F.linear(x, self.weight))
@@ -92,6 +96,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp, self.vocab_size = tp, embedding.num_embeddings
         self.start, self.weight = _vocab_rows(embedding.weight, tp)
+        self.tp_slices = {"weight": (0, self.start, self.start + self.weight.shape[0])}  # past the vocab: zeros
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -107,6 +112,7 @@ class VocabParallelHead(nn.Module):
         super().__init__()
         self.tp, self.vocab_size = tp, head.out_features
         self.start, self.weight = _vocab_rows(head.weight, tp)
+        self.tp_slices = {"weight": (0, self.start, self.start + self.weight.shape[0])}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last(F.linear(hidden, self.weight))[..., :self.vocab_size]
