@@ -37,11 +37,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {name: build[name](root / name) for name in FAMILIES}
 
 
-def run_group(model_dirs: list[Path], size: int, tmp_path: Path) -> list[dict]:
-    """Every rank's results: one process per rank, each comparing every folder in turn."""
+def run_group(model_dirs: list[Path], size: int, tmp_path: Path, mode: str = "logits") -> list[dict]:
+    """Every rank's results: one process per rank, each taking every folder in turn."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     folders = ",".join(map(str, model_dirs))
-    procs = [subprocess.Popen([sys.executable, str(RANK), folders, str(r), str(size), str(tmp_path / "store"),
+    procs = [subprocess.Popen([sys.executable, str(RANK), mode, folders, str(r), str(size), str(tmp_path / "store"),
                                str(tmp_path / f"rank{r}.json")], env=env, stderr=subprocess.PIPE, text=True)
              for r in range(size)]
     try:
@@ -76,6 +76,18 @@ def test_sharded_logits_and_greedy_tokens_equal_the_whole_model(checkpoints: dic
             assert out["loaded_as_cut"], name  # reading only the rank's slices gives the same shard
             assert out["heads"] == text["num_attention_heads"] // size, name
             assert out["kv_heads"] == max(1, text["num_key_value_heads"] // size), name  # split, or one replicated
+
+
+def test_a_group_engine_serves_a_batched_workload_as_the_whole_model_does(checkpoints: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    # rank 0 schedules, preprocesses, encodes and samples; rank 1 follows each LM forward on its shard. A
+    # continuously batched workload with encoder-cache and prefix-cache hits: the same greedy tokens as TP = 1
+    folders = [checkpoints["qwen2_vl"], checkpoints["qwen3_vl"], checkpoints["llava_next"]]
+    leader, follower = run_group(folders, 2, tmp_path, mode="engine")
+    for folder in map(str, folders):
+        assert leader[folder]["tp"] == leader[folder]["whole"], folder
+        assert follower[folder]["steps"] > 10, folder
+        assert leader[folder]["encoded"] < 10 + 4 + 2 + 3, folder  # repeats were served from the caches
 
 
 def test_kv_heads_split_or_replicate_and_refuse_what_fits_neither() -> None:

@@ -1,10 +1,12 @@
 """One rank of the tensor-parallel parity test (tests/engine/test_tensor_parallel.py), run as its own process.
 
-    python tp_rank.py MODEL_DIR[,MODEL_DIR...] RANK SIZE STORE_FILE OUT_JSON
+    python tp_rank.py logits|engine MODEL_DIR[,MODEL_DIR...] RANK SIZE STORE_FILE OUT_JSON
 
-Joins a gloo group through STORE_FILE; for each model folder, prepares three requests (two with images of different
-sizes, one text only) with the engine's own preprocessor, then drives the engine's ModelRunner with the same
-hand-made steps twice:
+Joins a gloo group through STORE_FILE. ``engine``: rank 0 runs a continuously batched workload through an Engine
+loaded whole, then through the group's engine (it leads; the other ranks follow), and writes both runs' tokens;
+the others write how many steps they followed. ``logits``: for each model folder, prepares three requests (two
+with images of different sizes, one text only) with the engine's own preprocessor, then drives the engine's
+ModelRunner with the same hand-made steps twice:
 on the model loaded whole (TP = 1) and on this rank's shard of it, loaded by shard (and checked equal to the whole
 model cut after loading). Each run is one packed encoder call and a
 prefill of all three, then greedy decode steps of all three in one batch. Writes, per folder, the largest logit
@@ -24,6 +26,7 @@ from vlmq.workers.engine.engine import Engine, Request
 from vlmq.workers.engine.model_runner import ModelRunner
 from vlmq.workers.models.loader import load_model
 from vlmq.workers.parallel import TPGroup, shard_language_model
+from vlmq.workers.parallel.lockstep import follow
 
 BLOCK, BLOCKS, DECODE_STEPS = 4, 256, 6
 
@@ -86,11 +89,51 @@ def compare(model_dir: str) -> dict:
             "heads": shard.language_model.layers[0].self_attn.num_heads}
 
 
+def workload() -> list[Request]:
+    """Images of many sizes, the same image asked again (encoder cache), exact repeats (prefix cache), a chat with
+    two images and a text-only chat."""
+    imgs = [Image.new("RGB", (40 + 23 * i % 170, 50 + 37 * i % 150), (20 * i % 256, 90, 200 - 9 * i))
+            for i in range(10)]
+    reqs = [Request(img, f"what is in picture {i}?", 8) for i, img in enumerate(imgs)]
+    reqs += [Request(img, f"and the colour of {i}?", 8) for i, img in enumerate(imgs[:4])]
+    two = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    reqs += [Request.chat(two, (imgs[1], imgs[5]), max_new_tokens=8), Request.chat([{"role": "user",
+                                                                                     "content": "hello"}])]
+    return reqs + reqs[2:5]
+
+
+def staggered(engine: Engine) -> list[list[int]]:
+    """Every request's tokens, a few joining before each step while the others decode."""
+    ids, pending, done = [], workload(), {}
+    while pending or len(done) < len(ids):
+        ids += [engine.add_request(r) for r in pending[:3]]
+        del pending[:3]
+        done.update((o.request_id, o) for o in engine.step())
+    assert all(done[i].error is None for i in ids), [done[i].error for i in ids]
+    return [done[i].token_ids for i in ids]
+
+
+def engine_mode(model_dir: str, tp: TPGroup) -> dict:
+    if tp.rank:
+        return {"steps": follow(load_model(model_dir, tp=tp), tp)}
+    whole = Engine.from_model_dir(model_dir, num_blocks=512)
+    expected = staggered(whole)
+    whole.close()
+    group = Engine.from_model_dir(model_dir, num_blocks=512, tp=tp)
+    got = staggered(group)
+    group.runner.stop_followers()
+    group.close()
+    return {"whole": expected, "tp": got, "encoded": group.stats.num_encoded_images,
+            "kv_heads": group.runner.model.num_kv_heads}
+
+
 def main() -> None:
-    dirs, rank, size, store, out = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    mode, dirs = sys.argv[1], sys.argv[2].split(",")
+    rank, size, store, out = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
-    results = {d: compare(d) for d in dirs}
+    tp = TPGroup.world()
+    results = {d: compare(d) if mode == "logits" else engine_mode(d, tp) for d in dirs}
     with open(out, "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
