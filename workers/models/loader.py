@@ -94,7 +94,8 @@ def tie_and_check(model: torch.nn.Module, loaded: set[str], tied: bool, model_di
     return model.eval().requires_grad_(False)
 
 
-def _copy_weights(model: torch.nn.Module, files: list[Path], slices: dict[str, tuple[int, int, int]]) -> set[str]:
+def _copy_weights(model: torch.nn.Module, files: list[Path],
+                  slices: dict[str, tuple[int, int, int]] | None = None) -> set[str]:
     params = dict(model.named_parameters())
     prefixes = getattr(model, "checkpoint_prefixes", _PREFIXES)
     loaded: set[str] = set()
@@ -105,7 +106,7 @@ def _copy_weights(model: torch.nn.Module, files: list[Path], slices: dict[str, t
                     name = checkpoint_key_to_param(key, prefixes)
                     if name not in params:
                         raise ValueError(f"unexpected weight {key!r} in {path.name} (maps to {name!r})")
-                    if name in slices:  # a shard: rows or columns [start, end), zeros past the tensor's end
+                    if slices and name in slices:  # a shard: rows or columns [start, end), zeros past the tensor's end
                         _copy_slice(params[name], f.get_slice(key), *slices[name])
                         loaded.add(name)
                         continue
