@@ -93,6 +93,7 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> int:
     from vlmq.workers.fleet import FleetReporter
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
+    from vlmq.workers.native import on_own_thread
     from vlmq.workers.orphans import start_orphan_sweeper
     from vlmq.workers.retention import start_sweeper
 
@@ -113,8 +114,10 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> int:
     with _model_load(model):
         from vlmq.workers.backends import load_backend  # transformers and torch: a broken install fails here
 
-        backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
-                               kv_store=kv_store, speculative=settings.speculative or "model")
+        # on a thread that exits: the model thread must own the only OpenMP team (native.py)
+        backend = on_own_thread(lambda: load_backend(
+            settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget, kv_store=kv_store,
+            speculative=settings.speculative or "model"))
     redis = redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3)
     _load_functions(redis)
     fleet = FleetReporter(redis, settings, spec.name, name, classes, backend.cache_stats)
@@ -161,9 +164,8 @@ def _load_functions(redis: Any) -> None:
     A tenant may call it, never load it, so a server that lost it (restarted without persistence, ``FUNCTION
     FLUSH``) would refuse every tenant's submit until some worker loads it again.
     """
-    import threading
-
     from vlmq import functions
+    from vlmq.workers.native import worker_thread
 
     def check() -> None:
         try:
@@ -179,7 +181,7 @@ def _load_functions(redis: Any) -> None:
             check()
 
     check()  # before the worker says it is ready: its tenants can submit from then on
-    threading.Thread(target=keep, name="vlmq-functions", daemon=True).start()
+    worker_thread(keep, "vlmq-functions").start()
 
 
 @contextlib.contextmanager
@@ -297,7 +299,10 @@ def _child_env(settings: Settings, gpu: str, index: int, fake: bool) -> dict[str
 
 
 def main_from_args(args: argparse.Namespace) -> int:
-    from vlmq.workers import logs
+    from vlmq.workers import logs, native
+
+    native.configure_openmp()  # before torch loads
+    native.fix_mmap_threshold()
 
     overrides = {k: v for k, v in (("device", args.device), ("worker_classes", args.classes),
                                    ("worker_budget", args.budget), ("worker_batch", args.batch),
