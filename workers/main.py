@@ -301,7 +301,7 @@ def _child_env(settings: Settings, gpu: str, index: int, fake: bool) -> dict[str
 def main_from_args(args: argparse.Namespace) -> int:
     from vlmq.workers import logs, native
 
-    native.configure_openmp()  # before torch loads
+    native.configure_native_pools()  # before torch loads
     native.fix_mmap_threshold()
 
     overrides = {k: v for k, v in (("device", args.device), ("worker_classes", args.classes),

@@ -8,8 +8,8 @@ each pay a wake-up (about 2,400 context switches per 128-token job on 2 CPUs, an
 torch ops on itself alone (``omp_threads=1``); a short job that wants the whole machine (loading the model) runs
 on a thread that exits (:func:`on_own_thread`), and its team exits with it.
 
-And the team does not spin: ``OMP_WAIT_POLICY=PASSIVE`` (:func:`configure_openmp`, before torch loads). A team
-that spins between parallel regions is fast only while it owns its CPUs; on a machine shared with other work (CI,
+And the team does not spin: ``OMP_WAIT_POLICY=PASSIVE`` (:func:`configure_native_pools`, before torch loads). A
+team that spins between parallel regions is fast only while it owns its CPUs; on a machine shared with other work (CI,
 several workers on one host, a developer's laptop) each region waits for a descheduled spinner, and the same
 128-token job took 3.4-4.1 s instead of 0.27 s (2 CPUs, another benchmark running: bench_worker_pace.py's
 ``rule-spin`` variant).
@@ -57,14 +57,18 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's starting value, kept fixed
 
 
-def configure_openmp() -> None:
-    """Team threads sleep between parallel regions instead of spinning (unless OMP_WAIT_POLICY is already set).
+def configure_native_pools() -> None:
+    """OpenMP team threads sleep between parallel regions instead of spinning, and the tokenizers library keeps no
+    thread pool of its own (each unless the user set its variable).
 
-    libgomp reads the variable when it loads (with torch): call this first thing in the process.
+    The tokenizers pool (Rust rayon: one thread per CPU, started by the first thread that tokenizes) would be a
+    second team beside the model thread's; the worker tokenizes one short prompt at a time, which it does not
+    parallelise. Both libraries read their variable when they load: call this first thing in the process.
     """
-    if "torch" in sys.modules:
-        log.warning("OMP_WAIT_POLICY set after torch was imported: it has no effect in this process")
+    if "torch" in sys.modules or "tokenizers" in sys.modules:
+        log.warning("native pool settings made after torch or tokenizers were imported: they may have no effect")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def fix_mmap_threshold() -> bool:

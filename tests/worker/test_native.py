@@ -110,8 +110,8 @@ def test_the_mmap_threshold_stays_fixed_after_a_large_block_is_freed() -> None:
 
 WAIT = """
 import os
-from vlmq.workers.native import configure_openmp
-configure_openmp()
+from vlmq.workers.native import configure_native_pools
+configure_native_pools()
 print(int(os.environ["OMP_WAIT_POLICY"] == "PASSIVE"))
 """
 
