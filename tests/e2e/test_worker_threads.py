@@ -6,6 +6,7 @@ name. Counted in /proc after small and large images (a large one makes the prepr
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -60,3 +61,18 @@ def test_only_the_model_thread_runs_an_openmp_team(redis_url: str, tmp_path: Pat
         repeated = {name: n for name, n in names.items() if n > 1 and name not in ("model", process_name)}
         assert repeated == {}  # no other named thread started a team
         assert names[process_name] == unnamed_at_ready  # nor the main thread, nor one a library made
+
+
+def test_the_worker_logs_where_its_start_up_went(redis_url: str, tmp_path: Path) -> None:
+    settings = Settings(broker_url=redis_url, storage_url=f"file://{tmp_path / 'store'}", cost_classes=TINY_CLASSES)
+    with ready_worker(redis_url, settings, tmp_path / "worker.log") as worker:
+        deadline = time.monotonic() + 20
+        while "start-up:" not in worker.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        line = next(x for x in worker.log().splitlines() if "start-up:" in x)
+    phases = re.findall(r"([a-z][a-zA-Z -]*?) (\d+\.\d+) s", line.split("start-up:", 1)[1])
+    names = [name for name, _ in phases]
+    assert names == ["interpreter and CLI", "imports", "model load", "worker set-up", "celery start",
+                     "exec to consuming"]
+    seconds = [float(s) for _, s in phases]
+    assert abs(sum(seconds[:-1]) - seconds[-1]) < 0.05 and 0 < seconds[-1] < 120
