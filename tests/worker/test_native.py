@@ -122,3 +122,27 @@ def test_openmp_threads_wait_passively_unless_the_user_chose() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     assert _run(WAIT, env=env) == [1]
     assert _run(WAIT, env={**env, "OMP_WAIT_POLICY": "ACTIVE"}) == [0]
+
+
+THREAD_MAKERS = {"Thread", "ThreadPoolExecutor", "Timer"}
+# one-shot, short-lived, no torch ops: the shutdown timer that hands unfinished jobs back
+NOT_LONG_LIVED = {("app.py", "Timer")}
+
+
+def test_every_worker_thread_is_made_through_native() -> None:
+    import ast
+    from pathlib import Path
+
+    import vlmq.workers
+
+    root = Path(vlmq.workers.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "native.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                if name in THREAD_MAKERS and (path.name, name) not in NOT_LONG_LIVED:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    assert found == []  # make it with native.worker_thread / native.thread_pool: they set its OpenMP threads
