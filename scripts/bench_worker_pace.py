@@ -8,7 +8,7 @@ Starts an embedded Redis-compatible server, a file:// store and one CPU worker (
 - ``shipped``: the worker as shipped (workers/native.py: the model thread owns the only OpenMP team, whose
   threads sleep between parallel regions, and glibc's mmap threshold stays fixed at 128 KiB);
 - ``no-passive``: the same with libgomp's default wait policy (team threads spin, then sleep);
-- ``no-mmap-fix``: the same with glibc's own (rising) mmap threshold;
+- ``no-mmap-fix``: the same with glibc's own (rising) mmap threshold; ``mmap-4m``: fixed at 4 MiB instead;
 - ``none``: every part of native.py switched off (model loaded on the main thread, every pool thread with torch's
   default OpenMP thread count), as the worker was before it.
 
@@ -69,6 +69,7 @@ VARIANTS = {  # name -> (worker environment, worker entry code or None for the s
     "shipped": ({}, None),
     "no-passive": ({}, patched("configure_native_pools")),  # the rule with libgomp's default wait (spin, then sleep)
     "no-mmap-fix": ({}, patched("fix_mmap_threshold")),
+    "mmap-4m": ({"MALLOC_MMAP_THRESHOLD_": str(4 << 20)}, patched("fix_mmap_threshold")),  # fixed, but higher
     "none": ({"TOKENIZERS_PARALLELISM": "true"},
              patched("configure_native_pools", "fix_mmap_threshold", "use_openmp_threads", "on_own_thread")),
 }
