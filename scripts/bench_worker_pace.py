@@ -1,14 +1,14 @@
 """Worker pace benchmark: a 128-token job through a worker, against the engine alone, before and after passes of
 the hostile-image corpus.
 
-    python scripts/bench_worker_pace.py [--passes 3] [--alone 7] [--variants rule,no-rule,rule+mmap128k]
+    python scripts/bench_worker_pace.py [--passes 3] [--alone 7] [--variants shipped,none]
 
 Starts an embedded Redis-compatible server, a file:// store and one CPU worker (tiny-shapes) per variant:
 
 - ``shipped``: the worker as shipped (workers/native.py: the model thread owns the only OpenMP team, whose
-  threads sleep between parallel regions, and glibc's mmap threshold stays fixed at 128 KiB);
+  threads sleep between parallel regions, and glibc's mmap threshold stays fixed at 4 MiB);
 - ``no-passive``: the same with libgomp's default wait policy (team threads spin, then sleep);
-- ``no-mmap-fix``: the same with glibc's own (rising) mmap threshold; ``mmap-4m``: fixed at 4 MiB instead;
+- ``no-mmap-fix``: the same with glibc's own (rising) mmap threshold; ``mmap-128k``: fixed at 128 KiB instead;
 - ``none``: every part of native.py switched off (model loaded on the main thread, every pool thread with torch's
   default OpenMP thread count), as the worker was before it.
 
@@ -69,7 +69,7 @@ VARIANTS = {  # name -> (worker environment, worker entry code or None for the s
     "shipped": ({}, None),
     "no-passive": ({}, patched("configure_native_pools")),  # the rule with libgomp's default wait (spin, then sleep)
     "no-mmap-fix": ({}, patched("fix_mmap_threshold")),
-    "mmap-4m": ({"MALLOC_MMAP_THRESHOLD_": str(4 << 20)}, patched("fix_mmap_threshold")),  # fixed, but higher
+    "mmap-128k": ({"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}, patched("fix_mmap_threshold")),  # glibc's start
     "none": ({"TOKENIZERS_PARALLELISM": "true"},
              patched("configure_native_pools", "fix_mmap_threshold", "use_openmp_threads", "on_own_thread")),
 }

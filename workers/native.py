@@ -54,7 +54,10 @@ def thread_pool(max_workers: int, name: str, *, omp_threads: int = 1) -> ThreadP
 
 _adopted = threading.local()
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's starting value, kept fixed
+# fixed, where glibc would raise it to 32 MiB; 4 MiB rather than glibc's starting 128 KiB: the same pace and
+# less memory after the corpus (567 vs 612 MB, bench-results/worker-pace-mmap.json), and no map and unmap for
+# each of the many mid-sized tensors of a step
+MMAP_THRESHOLD_BYTES = 4 << 20
 
 
 def configure_native_pools() -> None:
@@ -72,7 +75,7 @@ def configure_native_pools() -> None:
 
 
 def fix_mmap_threshold() -> bool:
-    """Keeps glibc's mmap threshold at its starting value; False where the C library is not glibc.
+    """Keeps glibc's mmap threshold fixed (``MMAP_THRESHOLD_BYTES``); False where the C library is not glibc.
 
     Why: glibc raises the threshold to the size of each mmap-ed block freed (up to 32 MiB), so after one large
     image (its bytes, its decoded pixels) blocks of up to that size come from the heaps instead, which keep what
