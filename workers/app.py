@@ -11,6 +11,7 @@ from vlmq.workers.batcher import HandBack
 from vlmq.workers.costgate import CostBudget, cost_gate_step
 from vlmq.workers.gate import Gate
 from vlmq.workers.jobrunner import Delivery, WorkerContext, hand_back, run_job
+from vlmq.workers.native import adopt_thread
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ def make_worker_app(settings: Settings, ctx: WorkerContext, budget: CostBudget, 
 
     @app.task(name=TASK_NAME, acks_late=True, reject_on_worker_lost=True)
     def vlmq_run_job(job_id: str) -> str:
+        adopt_thread("vlmq-job")  # Celery made this thread: one OpenMP thread, as every pool beside the model's
         delivery = Delivery()
         try:
             status = run_job(ctx, job_id, delivery)

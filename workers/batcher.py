@@ -16,6 +16,7 @@ from concurrent.futures import Future
 
 from vlmq.errors import HandBack
 from vlmq.workers.backends.base import Backend, GenOutput, GenRequest, StreamingBackend
+from vlmq.workers.native import ALL, worker_thread
 
 __all__ = ["Batcher", "HandBack"]  # HandBack lives in vlmq.errors; app and jobrunner import it from here
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class Batcher:
         self._stopped = False
         self._beat = time.monotonic()  # when the model loop last came round (waiting counts: it wakes every second)
         loop = self._stream if isinstance(backend, StreamingBackend) else self._loop
-        self._thread = threading.Thread(target=loop, name="vlmq-model", daemon=True)
+        self._thread = worker_thread(loop, "vlmq-model", omp_threads=ALL)  # the only OpenMP team (native.py)
         self._thread.start()
 
     def submit(self, request: GenRequest) -> Future[GenOutput]:

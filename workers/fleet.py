@@ -26,6 +26,7 @@ from typing import Any
 from vlmq import affinity, keys
 from vlmq.models import cost_classes
 from vlmq.settings import Settings
+from vlmq.workers.native import worker_thread
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class FleetReporter:
         self.forget_after = 2 * settings.visibility_timeout + settings.affinity_ttl
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vlmq-fleet", daemon=True)
+        self._thread = worker_thread(self._run, "vlmq-fleet")
         self.archive_model_hash: str | None = None  # set by start() when the backend archives KV
 
     def start(self, archive_model_hash: str | None = None) -> None:

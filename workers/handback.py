@@ -17,6 +17,7 @@ from vlmq import keys, store
 from vlmq.jobs import JobStatus
 from vlmq.workers import faults
 from vlmq.workers.logs import phase
+from vlmq.workers.native import worker_thread
 
 if TYPE_CHECKING:
     from vlmq.workers.jobrunner import WorkerContext
@@ -52,7 +53,7 @@ class OwedAttempts:
         with self._lock:
             self._owed.append(job_id)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="vlmq-owed", daemon=True)
+                self._thread = worker_thread(self._run, "vlmq-owed")
                 self._thread.start()
 
     def pending(self) -> int:

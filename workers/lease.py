@@ -9,11 +9,11 @@ renewing, so its messages come back after the timeout as before.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
 from vlmq.workers import broker
+from vlmq.workers.native import worker_thread
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class LeaseRenewer:
     def __init__(self, redis: Any, visibility_timeout: int) -> None:
         self.redis = redis
         self.period = max(0.5, visibility_timeout / 4)
-        self._thread = threading.Thread(target=self._run, name="vlmq-lease", daemon=True)
+        self._thread = worker_thread(self._run, "vlmq-lease")
 
     def start(self) -> None:
         self._thread.start()

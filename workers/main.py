@@ -74,6 +74,38 @@ def storage_timeout(settings: Settings) -> float:
     return min(30.0, max(1.0, settings.storage_retry / 4))
 
 
+def since_exec() -> float:
+    """Seconds since this process was started (exec), from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class StartupClock:
+    """Where a worker's start-up goes: seconds since exec at each mark, logged once Celery consumes."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        self.marks[phase] = since_exec()
+
+    def report(self) -> str:
+        out, last = [], 0.0
+        for phase, at in self.marks.items():
+            out.append(f"{phase} {at - last:.2f} s")
+            last = at
+        return f"start-up: {', '.join(out)} (exec to consuming {last:.2f} s)"
+
+
+STARTUP = StartupClock()
+
+
 def default_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -93,9 +125,11 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> int:
     from vlmq.workers.fleet import FleetReporter
     from vlmq.workers.jobrunner import WorkerContext
     from vlmq.workers.lease import LeaseRenewer
+    from vlmq.workers.native import on_own_thread
     from vlmq.workers.orphans import start_orphan_sweeper
     from vlmq.workers.retention import start_sweeper
 
+    STARTUP.mark("imports")
     broker.check_internals()  # before loading the model: an upgraded kombu/Celery fails here, naming what moved
     broker.use_transient_as_lost()  # BUSY and other "not now" replies: reconnect, never exit
     with _model_load(model):
@@ -113,8 +147,11 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> int:
     with _model_load(model):
         from vlmq.workers.backends import load_backend  # transformers and torch: a broken install fails here
 
-        backend = load_backend(settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget,
-                               kv_store=kv_store, speculative=settings.speculative or "model")
+        # on a thread that exits: the model thread must own the only OpenMP team (native.py)
+        backend = on_own_thread(lambda: load_backend(
+            settings.backend, model_dir(spec), settings.device, kv_tokens=settings.worker_budget, kv_store=kv_store,
+            speculative=settings.speculative or "model"))
+    STARTUP.mark("model load")
     redis = redis_lib.Redis.from_url(settings.broker_url, socket_connect_timeout=3)
     _load_functions(redis)
     fleet = FleetReporter(redis, settings, spec.name, name, classes, backend.cache_stats)
@@ -135,6 +172,8 @@ def run_worker(settings: Settings, model: str, name: str | None = None) -> int:
     _start_reporting(ctx, budget, [(spec.name, c) for c in classes])
     # event heartbeats only with task events on (Flower shows the worker online); otherwise no event traffic
     heartbeat = [] if settings.worker_events else ["--without-heartbeat"]
+    STARTUP.mark("worker set-up")
+    _log_startup_when_consuming()
     return _run_celery(app, ["worker", "--loglevel", "INFO", "--hostname", f"{name}@vlmq", "--without-gossip",
                              "--without-mingle", *heartbeat, "--pool", "threads",
                              "--concurrency", str(settings.worker_batch)])
@@ -155,15 +194,24 @@ def _run_celery(app: Any, argv: list[str]) -> int:
     return int(started[-1].exitcode or 0) if started else 1
 
 
+def _log_startup_when_consuming() -> None:
+    from celery.signals import worker_ready
+
+    def ready(**_: object) -> None:
+        STARTUP.mark("celery start")
+        log.info("%s", STARTUP.report())
+
+    worker_ready.connect(ready, weak=False)
+
+
 def _load_functions(redis: Any) -> None:
     """Load the producers' function library (``vlmq.functions``), and load it again whenever it is gone.
 
     A tenant may call it, never load it, so a server that lost it (restarted without persistence, ``FUNCTION
     FLUSH``) would refuse every tenant's submit until some worker loads it again.
     """
-    import threading
-
     from vlmq import functions
+    from vlmq.workers.native import worker_thread
 
     def check() -> None:
         try:
@@ -179,7 +227,7 @@ def _load_functions(redis: Any) -> None:
             check()
 
     check()  # before the worker says it is ready: its tenants can submit from then on
-    threading.Thread(target=keep, name="vlmq-functions", daemon=True).start()
+    worker_thread(keep, "vlmq-functions").start()
 
 
 @contextlib.contextmanager
@@ -297,7 +345,11 @@ def _child_env(settings: Settings, gpu: str, index: int, fake: bool) -> dict[str
 
 
 def main_from_args(args: argparse.Namespace) -> int:
-    from vlmq.workers import logs
+    from vlmq.workers import logs, native
+
+    STARTUP.mark("interpreter and CLI")
+    native.configure_native_pools()  # before torch loads
+    native.fix_mmap_threshold()
 
     overrides = {k: v for k, v in (("device", args.device), ("worker_classes", args.classes),
                                    ("worker_budget", args.budget), ("worker_batch", args.batch),

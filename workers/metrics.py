@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vlmq.fleet import orphans_resent, queue_stats
+from vlmq.workers.native import worker_thread
 
 if TYPE_CHECKING:
     from vlmq.workers.costgate import CostBudget
@@ -263,7 +264,7 @@ def serve(port: int, collector: WorkerCollector, health: Health) -> WSGIServer:
     REGISTRY.register(collector)
     health.follow_celery()
     server = make_server("", port, app(health), server_class=_Server, handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, name="vlmq-metrics", daemon=True).start()
+    worker_thread(server.serve_forever, "vlmq-metrics").start()
     log.info("metrics on :%d/metrics (health: /healthz, /readyz)", port)
     return server
 

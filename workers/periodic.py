@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vlmq.workers.native import worker_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -21,7 +23,7 @@ class FleetPeriodic:
                  clock: Callable[[], float] = time.time) -> None:
         self.redis, self.lock_key, self.period, self.name, self.clock = redis, lock_key, period, name, clock
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"vlmq-{self.what.replace(' ', '-')}", daemon=True)
+        self._thread = worker_thread(self._run, f"vlmq-{self.what.replace(' ', '-')}")
 
     def start(self) -> None:
         self._thread.start()

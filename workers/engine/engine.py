@@ -19,7 +19,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from vlmq.workers.kvstore.identity import weights_identity
 from vlmq.workers.kvstore.store import KVStore
 from vlmq.workers.models.loader import load_model
 from vlmq.workers.models.processor import load_processor
+from vlmq.workers.native import thread_pool
 
 from .config import EngineConfig
 from .cuda_profile import profiled_kv_bytes
@@ -110,7 +111,7 @@ class Engine:
         self.preprocessor = Preprocessor(processor, image_pre, model, model_id, eos_token_ids, share_encoder_outputs)
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
-        self._pool = ThreadPoolExecutor(num_preprocess_threads, thread_name_prefix="vlmq-preprocess")
+        self._pool = thread_pool(num_preprocess_threads, "vlmq-preprocess")  # single-threaded torch ops (native.py)
         self._ready: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()
         self._preparing: set[str] = set()  # on the preprocessing threads; the scheduler has not seen them
         self._meta: dict[str, RequestOutput] = {}  # request_id -> output being filled

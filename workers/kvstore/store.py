@@ -27,12 +27,13 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from vlmq.storage import Storage
+from vlmq.workers.native import thread_pool
 
 from .format import MIN_SECRET_BYTES, QUANTS, BadObject, Expected, decode, encode
 from .tiers import ArchiveTier, DiskTier, HostTier, ItemKey, TierStats
@@ -107,9 +108,10 @@ class KVStore:
         self.counts = dict.fromkeys(COUNTS, 0)
         self._lock = threading.Lock()  # host and disk tiers, counters
         self._archived: OrderedDict[ItemKey, None] = OrderedDict()  # known to be in the archive (bounded LRU)
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="vlmq-kv-io")  # demotions and uploads, in order
-        self._fetch = ThreadPoolExecutor(2, thread_name_prefix="vlmq-kv-fetch")
-        self._chain = ThreadPoolExecutor(CHAIN_FETCHES, thread_name_prefix="vlmq-kv-chain")
+        # single-threaded torch ops (native.py): an OpenMP team here would slow the model thread's
+        self._io = thread_pool(1, "vlmq-kv-io")  # demotions and uploads, in order
+        self._fetch = thread_pool(2, "vlmq-kv-fetch")
+        self._chain = thread_pool(CHAIN_FETCHES, "vlmq-kv-chain")
 
     @property
     def has_archive(self) -> bool:
