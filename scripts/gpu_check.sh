@@ -6,9 +6,9 @@
 #   bash scripts/gpu_check.sh --dry-run      # lists the setup and the steps, runs nothing
 #   bash scripts/gpu_check.sh --setup-only   # setup and import preflight only (works without a GPU)
 #
-# Through the device tool, $OUT is the folder whose files come back (at most 8): the check writes 6 there
+# Through the device tool, $OUT is the folder whose files come back (at most 8): the check writes 7 there
 # (gpu_check.log with every step's output, summary.json, kernel-tests.xml, kernels.json, engine-tests.xml,
-# engine.json); copy them into bench-results/gpu/ to commit them. Python: $PY, else python3 (the device's torch).
+# tp-tests.xml, engine.json); copy them into bench-results/gpu/ to commit them. Python: $PY, else python3 (the device's torch).
 #
 # Setup: vlmq.workers and vlmq.kernels exist only through setup.py's package_dir mapping, so a bare tree must be
 # installed: `pip install --no-deps --no-build-isolation --no-index -e .` (the environment's setuptools; the
@@ -21,7 +21,9 @@
 #   1. kernel-tests: Triton kernels vs their references on the GPU (tests/kernels -m gpu)
 #   2. kernels: bench_kernels_gpu.py: cascade vs per-sequence decode (group 16 first), decode bandwidth vs HBM peak
 #   3. engine-tests: engine greedy parity vs transformers on CUDA, fp32 on every prompt, bf16 on >= 95% (tests/gpu)
-#   4. engine: bench_engine_gpu.py: mixed captions vs transformers, then the per-resolution table, 2B then 7B shapes
+#   4. tp: the sharded LM over NCCL, one GPU per rank, equal to the whole model (tests/gpu/test_tensor_parallel_gpu.py;
+#      skipped, saying so in the log and tp-tests.xml, where the machine has fewer than 2 GPUs)
+#   5. engine: bench_engine_gpu.py: mixed captions vs transformers, then the per-resolution table, 2B then 7B shapes
 # The benchmarks rewrite their JSON after every measurement, and summary.json is rewritten after every step, so a
 # run stopped early keeps what it measured. Pytest runs with -W default: a warning seen only on CUDA is listed in
 # the log instead of failing the test (CI keeps pyproject's warnings-are-errors).
@@ -67,7 +69,8 @@ PYTEST="$PY -m pytest -m gpu -v -p no:cacheprovider -W default"
 STEPS=(
   "kernel-tests|60|$PYTEST --timeout 50 tests/kernels --junitxml=$OUT/kernel-tests.xml"
   "kernels|75|$PY scripts/bench_kernels_gpu.py --iters 20 --out $OUT/kernels.json"
-  "engine-tests|150|$PYTEST -s tests/gpu --junitxml=$OUT/engine-tests.xml"
+  "engine-tests|150|$PYTEST -s tests/gpu --ignore=tests/gpu/test_tensor_parallel_gpu.py --junitxml=$OUT/engine-tests.xml"
+  "tp|60|$PYTEST -rs tests/gpu/test_tensor_parallel_gpu.py --junitxml=$OUT/tp-tests.xml"
   "engine|300|$PY scripts/bench_engine_gpu.py --max-new-tokens 32 --num-mixed 48 --out $OUT/engine.json"
 )
 

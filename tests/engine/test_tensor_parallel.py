@@ -37,9 +37,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {name: build[name](root / name) for name in FAMILIES}
 
 
-def run_group(model_dirs: list[Path], size: int, tmp_path: Path, mode: str = "logits") -> list[dict]:
+def run_group(model_dirs: list[Path], size: int, tmp_path: Path, mode: str = "logits",
+              device: str = "cpu") -> list[dict]:
     """Every rank's results: one process per rank, each taking every folder in turn."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "TP_DEVICE": device}
     folders = ",".join(map(str, model_dirs))
     procs = [subprocess.Popen([sys.executable, str(RANK), mode, folders, str(r), str(size), str(tmp_path / "store"),
                                str(tmp_path / f"rank{r}.json")], env=env, stderr=subprocess.PIPE, text=True)

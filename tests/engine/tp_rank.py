@@ -15,6 +15,7 @@ difference between the two runs, the largest logit, and both runs' greedy tokens
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -29,6 +30,7 @@ from vlmq.workers.parallel import TPGroup, shard_language_model
 from vlmq.workers.parallel.lockstep import follow
 
 BLOCK, BLOCKS, DECODE_STEPS = 4, 256, 6
+DEVICE = os.environ.get("TP_DEVICE", "cpu")  # "cuda": one GPU per rank, NCCL (tests/gpu/test_tensor_parallel_gpu.py)
 
 
 def requests() -> list[Request]:
@@ -41,7 +43,9 @@ def requests() -> list[Request]:
 def run(model, prepared: list) -> tuple[list[torch.Tensor], list[list[int]]]:
     """The prefill logits of every request and its greedy tokens over DECODE_STEPS batched decode steps."""
     cache = EncoderCache(1 << 30)
-    runner = ModelRunner(model, EngineConfig(block_size=BLOCK, num_blocks=BLOCKS), cache)
+    device = model.lm_head.weight.device
+    runner = ModelRunner(model, EngineConfig(block_size=BLOCK, num_blocks=BLOCKS), cache, device)
+    runner.decode_graphs = None  # plain forwards: no CUDA graph captured around the collectives
     encode, tables, ids, free = [], [], [], list(range(BLOCKS))
     for p in prepared:
         seq = p.seq
@@ -76,9 +80,10 @@ def run(model, prepared: list) -> tuple[list[torch.Tensor], list[list[int]]]:
 def compare(model_dir: str) -> dict:
     engine = Engine.from_model_dir(model_dir, num_blocks=64)  # its preprocessor: the requests as the engine serves
     prepare = lambda: [engine.preprocessor(f"r{i}", r) for i, r in enumerate(requests())]  # noqa: E731
-    whole, whole_tokens = run(load_model(model_dir), prepare())
-    shard = load_model(model_dir, tp=TPGroup.world())  # sharded on the meta device, only its slices read
-    cut = shard_language_model(load_model(model_dir), TPGroup.world())  # the whole model loaded, then cut
+    device = _device()
+    whole, whole_tokens = run(load_model(model_dir, device), prepare())
+    shard = load_model(model_dir, device, tp=TPGroup.world())  # sharded on the meta device, only its slices read
+    cut = shard_language_model(load_model(model_dir, device), TPGroup.world())  # the whole model loaded, then cut
     mine, theirs = shard.state_dict(), cut.state_dict()
     same = mine.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in mine.items())
     ours, our_tokens = run(shard, prepare())
@@ -87,6 +92,10 @@ def compare(model_dir: str) -> dict:
             "max_logit": max(a.abs().max().item() for a in whole), "whole": whole_tokens, "tp": our_tokens,
             "kv_heads": shard.num_kv_heads, "loaded_as_cut": same,
             "heads": shard.language_model.layers[0].self_attn.num_heads}
+
+
+def _device() -> torch.device:
+    return torch.device(f"cuda:{dist.get_rank()}") if DEVICE == "cuda" else torch.device("cpu")
 
 
 def workload() -> list[Request]:
@@ -131,7 +140,10 @@ def main() -> None:
     mode, dirs = sys.argv[1], sys.argv[2].split(",")
     rank, size, store, out = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=size)
     tp = TPGroup.world()
     results = {d: compare(d) if mode == "logits" else engine_mode(d, tp) for d in dirs}
     with open(out, "w") as f:

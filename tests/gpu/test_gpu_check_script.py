@@ -43,11 +43,12 @@ def load(name: str):
 
 def test_dry_run_lists_kernel_tests_and_benchmark_then_engine_tests_and_benchmark_into_bench_results_gpu():
     steps = listed_steps()
-    assert list(steps) == ["kernel-tests", "kernels", "engine-tests", "engine"]
-    for name, path in (("kernel-tests", "tests/kernels"), ("engine-tests", "tests/gpu")):
+    assert list(steps) == ["kernel-tests", "kernels", "engine-tests", "tp", "engine"]
+    for name, path in (("kernel-tests", "tests/kernels"), ("engine-tests", "tests/gpu"),
+                       ("tp", "tests/gpu/test_tensor_parallel_gpu.py")):
         cmd = steps[name]
         assert cmd[:3] == ["python", "-m", "pytest"] and cmd[cmd.index("-m", 3) + 1] == "gpu"
-        assert path in cmd and (ROOT / path).is_dir()
+        assert path in cmd and (ROOT / path).exists()
         assert any(a.startswith("--junitxml=bench-results/gpu/") for a in cmd)
     for name in ("kernels", "engine"):
         out = steps[name][steps[name].index("--out") + 1]
