@@ -182,7 +182,7 @@ class Client:
     def submit_batch(self, path: str | Path, *, completion_window: str = "24h", priority: int = DEFAULT_PRIORITY,
                      max_new_tokens: int = 128, metadata: Mapping[str, str] | None = None,
                      webhook: str | None = None, allow_outside_paths: bool = False,
-                     max_bad_share: float | None = None) -> batches.Batch:
+                     max_bad_share: float | None = None, input_file_id: str | None = None) -> batches.Batch:
         """Submit a batch file in the OpenAI Batch format (``vlmq.batchfile``): one job per line.
 
         The file is read once, a line at a time, with memory that does not grow with it (``vlmq.batchsubmit``):
@@ -205,6 +205,8 @@ class Client:
                 for a batch file you trust: otherwise whoever wrote it can have any image on this machine described).
             max_bad_share: the share of lines (0 to 1) that may be refused before the whole file is (None:
                 ``VLMQ_BATCH_MAX_BAD_SHARE``, 0.5; 0: all or nothing). A file with no good line is always refused.
+            input_file_id: the File ``path`` was read from (``vlmq.files``; ``vlmq serve`` passes it): the batch
+                object's ``input_file_id`` (None: the path).
 
         Returns:
             A handle on the batch (``in_progress``; its ``request_counts`` already count the refused lines).
@@ -227,6 +229,8 @@ class Client:
         fields = {"endpoint": "/v1/chat/completions", "input_file": shown, "completion_window": completion_window,
                   "created_at": repr(created), "expires_at": repr(created + window),
                   "metadata": json.dumps(batches.check_metadata(metadata))}
+        if input_file_id:
+            fields["input_file_id"] = input_file_id
         webhook = self.settings.webhook_url if webhook is None else webhook
         if webhook:
             fields["webhook"] = check_webhook(webhook, self.settings.webhook_allow)
