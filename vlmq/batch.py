@@ -124,7 +124,28 @@ def create(store: JobStore, batch_id: str, fields: dict[str, Any], job_ids: list
     pipe.expire(keys.batch(batch_id), store.job_ttl)
     if job_ids:
         pipe.rpush(keys.batch_jobs(batch_id), *job_ids).expire(keys.batch_jobs(batch_id), store.job_ttl)
+    index, created = keys.batch_index(keys.tenant_of(batch_id)), float(fields.get("created_at", now()))
+    pipe.zadd(index, {batch_id: created}).zremrangebyscore(index, "-inf", created - store.job_ttl)
+    pipe.expire(index, store.job_ttl)
     store.call(pipe.execute)
+
+
+def list_page(store: JobStore, tenant: str | None, after: str | None, limit: int) -> dict[str, Any]:
+    """A page of a tenant's batches, newest first (``after``: the last id of the previous page), as OpenAI's
+    list object; batches whose records have expired are left out."""
+    ids = [b.decode() for b in store.call(store.redis.zrevrange, keys.batch_index(tenant), 0, -1)]
+    if after:
+        ids = ids[ids.index(after) + 1:] if after in ids else []
+    page = []
+    for batch_id in ids:
+        record = store.call(read, store.redis, batch_id)
+        if record:
+            page.append(to_object(record))
+        if len(page) > limit:
+            break
+    data = page[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(page) > limit}
 
 
 def read(redis: Any, batch_id: str) -> dict[str, str]:

@@ -323,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch(sub, common, _client)
     _add_acl(sub)
     _add_cache(sub, common)
+    from vlmq.clikeys import add_keys
+    from vlmq.cliserve import add_serve
+
+    add_keys(sub, common)
+    add_serve(sub)
     return parser
 
 

@@ -275,6 +275,14 @@ def batch(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}"
 
 
+def batch_index(tenant: str | None) -> str:
+    """Sorted set batch id -> created_at of a tenant's batches (``GET /v1/batches`` pages it, newest first).
+
+    Written by the SDK when it creates a batch (its TTL renewed to the record TTL then, older members pruned).
+    """
+    return f"{PREFIX}batch-index:{tenant or ''}"
+
+
 def batch_jobs(batch_id: str) -> str:
     """List of a batch's job ids in the order of its input lines. Written once by the SDK at submit.
 
@@ -329,7 +337,7 @@ def tenant_key_patterns(tenant: str) -> list[str]:
     """
     ids = tenant_job_id(check_tenant(tenant), "*")
     return [job(ids), done(ids), canceled(ids), idempotency("*", tenant), deliveries(ids), batch(ids),
-            batch_jobs(ids), batch_done(ids), batch_lock(ids)]
+            batch_jobs(ids), batch_done(ids), batch_lock(ids), batch_index(tenant)]
 
 
 def tenant_read_patterns(tenant: str) -> list[str]:
