@@ -31,8 +31,16 @@ async def run(request: Request, call: Callable[[Client], Any]) -> Response:
     return result if isinstance(result, Response) else JSONResponse(result)
 
 
+async def authenticate(request: Request) -> str:
+    """The caller's tenant, before anything of its body is read (401 for no key or a bad one)."""
+    key, door = bearer(request), door_of(request)
+    return await run_in_threadpool(door.tenant, key)
+
+
 async def json_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object, refused before parsing when nested deeper than ``VLMQ_SERVE_MAX_JSON_DEPTH``."""
+    """The request's JSON object (after the caller is authenticated), refused before parsing when nested deeper
+    than ``VLMQ_SERVE_MAX_JSON_DEPTH``."""
+    await authenticate(request)
     raw = await request.body()
     try:
         text = raw.decode("utf-8")

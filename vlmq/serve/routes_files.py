@@ -16,8 +16,7 @@ from starlette.routing import Route
 
 from vlmq import files
 from vlmq.client import Client
-from vlmq.serve.common import door_of, limit_of, query, run
-from vlmq.serve.door import bearer
+from vlmq.serve.common import authenticate, limit_of, query, run
 from vlmq.serve.errors import ApiError, refuse_unknown
 
 UPLOAD_FIELDS = frozenset({"file", "purpose"})
@@ -48,12 +47,13 @@ def _store(client: Client, upload: UploadFile, purpose: str) -> dict[str, Any]:
 
 
 async def upload(request: Request) -> Response:
-    key = bearer(request)
-    door_of(request).tenant(key)  # refuse a bad key before reading the upload
+    await authenticate(request)  # a bad key is refused before the upload is read
     try:
         form = await request.form(max_files=1, max_fields=8, max_part_size=1 << 16)
-    except HTTPException as e:  # the multipart parser's refusal (malformed envelope, too many parts)
+    except HTTPException as e:  # Starlette's refusal (too many parts, a part too large)
         raise ApiError(400, f"malformed multipart body: {e.detail}", code="bad_multipart") from None
+    except ValueError as e:  # python-multipart's (FormParserError): a malformed envelope
+        raise ApiError(400, f"malformed multipart body: {e}", code="bad_multipart") from None
     try:
         refuse_unknown(dict(form), UPLOAD_FIELDS, "upload")
         purpose, upload_file = form.get("purpose"), form.get("file")
