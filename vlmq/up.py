@@ -65,7 +65,7 @@ SERVE_READY = "Uvicorn running on"  # what vlmq serve's log says once it listens
 SERVE_TENANT = "local"  # the tenant of the key ``vlmq up --serve`` makes
 
 
-def _start_serve(settings: Settings, port: int, folder: Path) -> tuple[Child, list[str]]:
+def start_serve(settings: Settings, port: int, folder: Path) -> tuple[Child, list[str]]:
     """``vlmq serve`` on ``port`` and a new key of tenant ``local``; the exports an ``openai`` client needs."""
     import redis
 
@@ -97,7 +97,7 @@ def run_up(options: UpOptions) -> int:
             workers = _start_workers(settings, options, folder)
             openai_exports: list[str] = []
             if options.serve:
-                serve, openai_exports = _start_serve(settings, options.serve, folder)
+                serve, openai_exports = start_serve(settings, options.serve, folder)
                 workers.append(serve)
             watched = [Child("embedded Redis-compatible server", valkey.proc), *workers]
             print(f"vlmq up: Valkey at {valkey.url}, storage {settings.storage_url}; starting {len(workers)} worker "
