@@ -31,7 +31,8 @@ def served(redis_url: str, s3_server, tmp_path_factory: pytest.TempPathFactory) 
     serve = ServeProcess(serve_settings(redis_url, s3_server.url, "hostile"),
                          tmp_path_factory.mktemp("hostile") / "serve.log", VLMQ_SERVE_MAX_FILE_BYTES=str(CAP),
                          VLMQ_SERVE_MAX_BODY_BYTES=str(CAP), VLMQ_SERVE_READ_TIMEOUT="1",
-                         VLMQ_SERVE_BODY_TIMEOUT="3", VLMQ_SERVE_MAX_FILE_LINES="100")
+                         VLMQ_SERVE_BODY_TIMEOUT="3", VLMQ_SERVE_MAX_FILE_LINES="100",
+                         VLMQ_SERVE_CHAT_TIMEOUT="1", VLMQ_MAX_QUEUE_DEPTH="1")  # no worker: nothing is served
     try:
         serve.wait_ready()
         yield serve.url, key
@@ -179,6 +180,32 @@ def test_a_bad_key_is_refused_before_its_body_is_read(served: tuple[str, str]) -
     url, _ = served
     status, error = raw(url, head("POST", "/v1/chat/completions", "vlmq-nope", 1000), b"{")
     assert status == 401 and error["error"]["type"] == "authentication_error"
+    still_up(url)
+
+
+def test_a_chat_past_its_timeout_is_504_and_a_full_queue_429_with_retry_after(served: tuple[str, str]) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    url, key = served
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(buf, "PNG")
+    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," +
+                                                   base64.b64encode(buf.getvalue()).decode()}},
+               {"type": "text", "text": "How many shapes?"}]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) as client:
+        def ask() -> None:
+            client.chat.completions.create(model="tiny-shapes", messages=[{"role": "user", "content": content}],
+                                           max_tokens=2)
+
+        with pytest.raises(openai.InternalServerError) as late:  # no worker here: the job waits, then is cancelled
+            ask()
+        assert late.value.status_code == 504 and late.value.code == "timeout"
+        with pytest.raises(openai.RateLimitError) as full:  # the cancelled job's message still fills the queue
+            ask()
+        assert full.value.code == "queue_full" and full.value.response.headers["retry-after"].isdigit()
     still_up(url)
 
 
