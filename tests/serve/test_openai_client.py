@@ -128,7 +128,8 @@ def test_cancel_mid_run_ends_cancelled_with_consistent_counts(door: Door) -> Non
         batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
         cancelled = client.batches.cancel(batch.id)
-        assert cancelled.status in ("cancelling", "cancelled")
+            # cancelling; or, when a worker ending the last requests is writing the files just then, finalizing
+        assert cancelled.status in ("cancelling", "finalizing", "cancelled")
         deadline = time.monotonic() + 120
         while cancelled.status != "cancelled" and time.monotonic() < deadline:
             time.sleep(0.3)

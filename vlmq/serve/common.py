@@ -27,14 +27,21 @@ def door_of(request: Request) -> Door:
 async def run(request: Request, call: Callable[[Client], Any]) -> Response:
     """``call`` with the caller's tenant's client, in a worker thread; a dict result is answered as JSON."""
     key, door = bearer(request), door_of(request)
-    result = await run_in_threadpool(lambda: call(door.client_for(key)))
+    tenant = getattr(request.state, "tenant", None)  # authenticated already, before its body was read
+
+    def work() -> Any:
+        return call(door.client_of(tenant or door.tenant(key)))
+
+    result = await run_in_threadpool(work)
     return result if isinstance(result, Response) else JSONResponse(result)
 
 
 async def authenticate(request: Request) -> str:
     """The caller's tenant, before anything of its body is read (401 for no key or a bad one)."""
     key, door = bearer(request), door_of(request)
-    return await run_in_threadpool(door.tenant, key)
+    tenant: str = await run_in_threadpool(door.tenant, key)
+    request.state.tenant = tenant
+    return tenant
 
 
 async def json_body(request: Request) -> dict[str, Any]:

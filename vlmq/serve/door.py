@@ -1,6 +1,6 @@
 """Who is calling: a bearer key's tenant (``vlmq.apikeys``), and that tenant's ``vlmq.Client``.
 
-Usage: ``door = Door(settings); client = door.client_for(bearer(request))``.
+Usage: ``door = Door(settings); client = door.client_for(bearer(request))`` (or ``door.client_of(tenant)``).
 
 The clients are connection pools, one per tenant seen, not state: any replica builds the same ones.
 """
@@ -57,7 +57,10 @@ class Door:
 
     def client_for(self, key: str) -> Client:
         """The client of a key's tenant (built once per tenant)."""
-        tenant = self.tenant(key)
+        return self.client_of(self.tenant(key))
+
+    def client_of(self, tenant: str) -> Client:
+        """A tenant's client (built once per tenant)."""
         with self._lock:
             if tenant not in self._clients:
                 self._clients[tenant] = Client(settings=self.settings, tenant=tenant)
