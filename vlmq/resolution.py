@@ -16,7 +16,13 @@ into ``[min_pixels, max_pixels]``:
   ``max_pixels`` at most the model's own (what workers budget a job of the top class for); with ``detail: "low"``
   the lower of the two maxima applies.
 
-The tiling families (InternVL, LLaVA-NeXT) lay an image out on tiles of a fixed size: ``detail: "low"``,
+The tiling families lay an image out on tiles of a fixed size, so ``detail: "low"`` means their smallest layout:
+
+- InternVL: one tile of the whole image resized (``max_patches`` 1: 256 tokens for 448-px tiles, no thumbnail), what
+  transformers' processor gives with ``max_patches=1``.
+- LLaVA-NeXT: the base tile and a canvas of one tile (``image_grid_pinpoints`` ``[[S, S]]``), what its processor
+  gives with those pinpoints.
+
 ``min_pixels`` and ``max_pixels`` are refused for them (``unsupported_field``), never silently ignored.
 """
 from __future__ import annotations
@@ -44,9 +50,7 @@ def image_policy(policy: ImagePolicy, part: Mapping[str, Any]) -> ImagePolicy:
     if detail is None and low is None and high is None:
         return policy
     if not isinstance(policy, ResolutionPolicy):
-        raise InvalidRequest("image detail \"low\", min_pixels and max_pixels apply to the Qwen-family models; this "
-                             "model lays images out on fixed tiles: send detail \"auto\" or \"high\"",
-                             code="unsupported_field")
+        return _tiled_policy(policy, detail, low, high)
     area = policy.factor ** 2
     top = min(policy.max_pixels, LOW_DETAIL_TOKENS * area) if detail == "low" else policy.max_pixels
     if high is not None:
@@ -61,6 +65,18 @@ def image_policy(policy: ImagePolicy, part: Mapping[str, Any]) -> ImagePolicy:
                                  code="bad_pixels")
         bottom = low
     return dataclasses.replace(policy, min_pixels=bottom, max_pixels=top)
+
+
+def _tiled_policy(policy: Any, detail: str | None, low: object, high: object) -> Any:
+    """A tiling family's layout for ``detail: "low"``: its smallest (one tile; base tile and one canvas tile)."""
+    if low is not None or high is not None:
+        raise InvalidRequest("min_pixels and max_pixels apply to the Qwen-family models; this model lays images out "
+                             "on fixed tiles: send detail \"low\", \"auto\" or \"high\"", code="unsupported_field")
+    if detail != "low":
+        return policy
+    if hasattr(policy, "grid_pinpoints"):  # LLaVA-NeXT
+        return dataclasses.replace(policy, grid_pinpoints=((policy.tile_size, policy.tile_size),))
+    return dataclasses.replace(policy, min_tiles=1, max_tiles=1)  # InternVL (vlmq.families' or the engine's)
 
 
 def check_bounds(value: Mapping[str, Any], where: str) -> dict[str, Any]:

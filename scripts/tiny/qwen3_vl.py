@@ -35,21 +35,27 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def build(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the checkpoint folder; returns its path."""
-    import torch
-    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    out = Path(out_dir)
-    torch.manual_seed(seed)
     config = Qwen3VLConfig(text_config=dict(TEXT), vision_config=dict(VISION), image_token_id=IMAGE,
                            video_token_id=VIDEO, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
-    model = Qwen3VLForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
+    return write_folder(Qwen3VLForConditionalGeneration, config, PREPROCESSOR, Path(out_dir), seed)
+
+
+def write_folder(model_cls, config, preprocessor: dict, out: Path, seed: int) -> Path:
+    """A random float32 ``model_cls`` of ``config`` saved with ``preprocessor`` and the tiny-shapes tokenizer."""
+    import torch
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    model = model_cls._from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # random (not zero/one) biases and norm weights, so a weight we miss shows
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.generation_config = GenerationConfig(bos_token_id=414, eos_token_id=EOS, pad_token_id=414)
     model.save_pretrained(out)
-    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(TARGET_DIR / name, out / name)
     return out

@@ -1,5 +1,6 @@
 """Batch files end to end: a 1,000-line OpenAI-format batch with bad lines through a real worker, and cancel
-mid-batch."""
+mid-batch. Its images are ``data:`` URLs, files beside the batch file, ``s3://`` objects and ``https://`` URLs on a
+real TLS image server on loopback (allow-listed for this pool only), which the worker fetches."""
 from __future__ import annotations
 
 import base64
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import inputs
 import pytest
+from imageserver import ImageServer, Route
+from test_webhook_https import LOCAL, make_cert, server_context
 from workerproc import TINY_CLASSES, ready_worker
 
 from vlmq import keys
@@ -34,9 +37,24 @@ def request(custom_id: str, image: str, max_tokens: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def pool(redis_url: str, s3_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ImageServer]:
+    """A TLS image server on loopback; its CA file is ``ca_file``."""
+    folder = tmp_path_factory.mktemp("tls")
+    ca, ca_cert, ca_key = make_cert(folder, "ca", [], ca=True)
+    good = make_cert(folder, "good", ["localhost", "127.0.0.1"], (ca_cert, ca_key))[0]
+    server = ImageServer(LOCAL, server_context(good, []))
+    server.ca_file = str(ca.cert)  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(redis_url: str, s3_server, images: ImageServer,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     settings = Settings(broker_url=redis_url, storage_url="s3://vlmq-test/e2e-batch", s3_endpoint_url=s3_server.url,
-                        cost_classes=TINY_CLASSES, worker_batch=32)
+                        cost_classes=TINY_CLASSES, worker_batch=32, image_fetch_allow="localhost",
+                        image_fetch_networks="127.0.0.1/32 ::1/128",
+                        image_fetch_ca_file=images.ca_file)  # type: ignore[attr-defined]
     with ready_worker(redis_url, settings, tmp_path_factory.mktemp("batch") / "worker.log"):
         yield settings
 
@@ -65,9 +83,10 @@ def bad_line(i: int, kind: int, good: str) -> tuple[str, str]:
     return code, text + "\n"
 
 
-def test_a_batch_file_runs_every_good_line_and_reports_every_bad_one(pool: Settings, tmp_path: Path) -> None:
+def test_a_batch_file_runs_every_good_line_and_reports_every_bad_one(pool: Settings, images: ImageServer,
+                                                                      tmp_path: Path) -> None:
     # issue 29 item 5: bad lines of 12 kinds go to the error file with their codes, the rest run; images are
-    # data: URLs, files beside the batch file and s3:// objects, LINES // 25 distinct ones
+    # data: URLs, files beside the batch file, s3:// objects and https:// URLs, LINES // 25 distinct ones
     distinct = max(8, LINES // 25)
     broken = data_url(inputs.corrupt_png_data())  # a valid header: refused by the worker, not at submit
     path = tmp_path / "requests.jsonl"
@@ -76,12 +95,15 @@ def test_a_batch_file_runs_every_good_line_and_reports_every_bad_one(pool: Setti
         sources = []
         for k in range(distinct):
             image = inputs.encode(inputs.rgb(32 + k % 40, 32 + k // 40 % 50), "PNG")
-            if k % 3 == 1:
+            if k % 4 == 1:
                 (tmp_path / f"img{k}.png").write_bytes(image)
                 sources.append(f"img{k}.png")
-            elif k % 3 == 2:
+            elif k % 4 == 2:
                 client.storage.put(f"uploads/img{k}.png", image)
                 sources.append(f"{client.storage.url}/uploads/img{k}.png")
+            elif k % 4 == 3:
+                images.routes[f"/img{k}.png"] = Route(image)
+                sources.append(images.url(f"/img{k}.png"))
             else:
                 sources.append(data_url(image))
         (tmp_path / "img0.png").write_bytes(inputs.encode(inputs.rgb(40, 40), "PNG"))
@@ -126,6 +148,8 @@ def test_a_batch_file_runs_every_good_line_and_reports_every_bad_one(pool: Setti
     assert body["object"] == "chat.completion" and body["model"] == "tiny-shapes"
     assert body["usage"]["completion_tokens"] <= 2 and body["choices"][0]["finish_reason"] in ("stop", "length")
     assert obj["output_file_id"] == f"file-{batch.id}.output" and obj["error_file_id"] == f"file-{batch.id}.errors"
+    fetched = [path for path, wanted in images.requests if not wanted]  # the workers' full GETs (submit: ranged)
+    assert fetched and all(path in images.routes for path in fetched)
     print(f"{LINES}-line batch ({rejected} lines refused): submit {submitted:.1f} s, done {elapsed:.1f} s")
 
 

@@ -177,3 +177,47 @@ def test_control_token_strings_in_any_turn_are_plain_text() -> None:
         counts.append(sum(t in controls for t in ids))
     assert counts[0] == counts[1]  # the typed strings added no control token
     engine.close()
+
+
+def _low_detail_reference(processor, model, engine: Engine) -> bool:
+    """Configure transformers' processor (and LLaVA-NeXT's model, which reads its pinpoints) with the layout
+    ``detail: "low"`` names for this model. -> whether that layout is smaller than the model's own."""
+    from vlmq.resolution import image_policy
+
+    base = engine.preprocessor.image_preprocessor.policy
+    low = image_policy(base, {"detail": "low"})
+    ip = processor.image_processor
+    if hasattr(low, "grid_pinpoints"):  # LLaVA-NeXT
+        ip.image_grid_pinpoints = model.config.image_grid_pinpoints = [list(p) for p in low.grid_pinpoints]
+    elif hasattr(low, "max_tiles"):  # InternVL
+        ip.max_patches = low.max_tiles
+    else:
+        ip.size = {"shortest_edge": low.min_pixels, "longest_edge": low.max_pixels}
+    return low != base
+
+
+def test_low_detail_greedy_equals_transformers_at_those_bounds(checkpoint: Path) -> None:
+    # issue 29 item 3 for every family: a large image sent with detail "low" runs at the family's low layout,
+    # token for token what transformers' processor and generate give configured with that layout
+    from transformers import AutoModelForImageTextToText
+
+    processor = load_processor(checkpoint)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    engine = Engine.from_model_dir(checkpoint, num_blocks=1024)
+    big = Image.new("RGB", (1400, 1000), (30, 90, 160))
+    big.paste((230, 40, 30), (100, 100, 700, 600))
+    plain = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe"}]}]
+    low = [{"role": "user", "content": [{"type": "image", "detail": "low"}, {"type": "text", "text": "describe"}]}]
+    full_ids = engine.preprocessor("full", Request.chat(plain, (big,))).seq.token_ids
+    out = engine.generate([Request.chat(low, (big,), max_new_tokens=MAX_NEW)])[0]
+    smaller = _low_detail_reference(processor, model, engine)
+    inputs = _reference_inputs(processor, plain, [big])
+    assert engine.preprocessor("low", Request.chat(low, (big,))).seq.token_ids == inputs["input_ids"][0].tolist()
+    if smaller:  # (the tiny Qwen models' own bounds are under 256 tokens already)
+        assert inputs["input_ids"].shape[1] < len(full_ids)
+    with torch.inference_mode():
+        ref = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    engine.close()
+    assert out.error is None and out.token_ids == [t for t in ref.tolist() if t not in eos]

@@ -1,12 +1,15 @@
 """Resolution per image (issue 29 item 3): ``detail`` and ``min_pixels`` / ``max_pixels`` give each image the pixels
 transformers' processor gives it when configured with the bounds ``vlmq.resolution.image_policy`` names, priced
 at submit with those same bounds; several images of one call each keep their own bounds; an image resized to other
-bounds is another entry of the encoder cache."""
+bounds is another entry of the encoder cache. For the tiling families (InternVL, LLaVA-NeXT) ``detail: "low"`` is
+their smallest layout, equal to their processors configured with it."""
 from __future__ import annotations
 
 import pytest
 import torch
 from test_preprocess import photo
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlmq.cost import ResolutionPolicy, estimate
@@ -14,6 +17,7 @@ from vlmq.errors import InvalidRequest
 from vlmq.families import InternVLPolicy, LlavaNextPolicy
 from vlmq.resolution import LOW_DETAIL_TOKENS, image_policy
 from vlmq.workers.engine.preprocess import ImagePreprocessor
+from vlmq.workers.engine.tiling import TilingPreprocessor, image_preprocessor_for
 
 QWEN2_VL = dict(patch_size=14, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 56 * 56,
                                                                          "longest_edge": 28 * 28 * 1280})
@@ -72,8 +76,48 @@ def test_bounds_the_model_cannot_take_are_refused_by_name() -> None:
         with pytest.raises(InvalidRequest) as err:
             image_policy(base, part)
         assert err.value.code == code, part
-    for tiling in (InternVLPolicy(), LlavaNextPolicy()):  # fixed tiles: refused, never ignored
+    for tiling in (InternVLPolicy(), LlavaNextPolicy()):  # fixed tiles: pixel bounds refused, never ignored
         assert image_policy(tiling, {}) is tiling
-        with pytest.raises(InvalidRequest) as err:
-            image_policy(tiling, {"detail": "low"})
-        assert err.value.code == "unsupported_field"
+        for part in ({"max_pixels": 200_000}, {"detail": "low", "min_pixels": 50_000}):
+            with pytest.raises(InvalidRequest) as err:
+                image_policy(tiling, part)
+            assert err.value.code == "unsupported_field"
+
+
+TILE_SIZES = [(37, 41), (480, 640), (1200, 900), (1500, 160), (700, 700)]
+
+
+def test_internvl_low_detail_is_one_tile_as_the_processor_gives_with_max_patches_1() -> None:
+    settings = dict(size={"height": 56, "width": 56}, crop_to_patches=True, max_patches=6,
+                    image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    ours = TilingPreprocessor.from_preprocessor_config({**GotOcr2ImageProcessorPil(**settings).to_dict(),
+                                                        "crop_to_patches": False})
+    low = image_policy(ours.policy, {"detail": "low"})
+    images = [photo(h, w, seed=h + w) for h, w in TILE_SIZES]
+    pixels, grid = ours(images, policies=[low, ours.policy] * 2 + [low])
+    one_tile = GotOcr2ImageProcessorPil(**settings | {"max_patches": 1})
+    full = GotOcr2ImageProcessorPil(**settings)
+    expected = [(one_tile if i % 2 == 0 else full)(images=[img], crop_to_patches=True, return_tensors="pt")
+                for i, img in enumerate(images)]
+    assert torch.equal(pixels, torch.cat([e["pixel_values"] for e in expected]))
+    assert grid[:, 0].tolist() == [int(e["num_patches"][0]) for e in expected]
+    assert grid[0::2, 0].tolist() == [1, 1, 1] and grid[1, 0] > 1  # low: one tile, whatever the size
+    price = image_policy(InternVLPolicy(tile_height=56, tile_width=56, max_tiles=6), {"detail": "low"})
+    assert [price.measure(h, w).vision_tokens for h, w in TILE_SIZES] == [256] * len(TILE_SIZES)
+
+
+def test_llava_next_low_detail_is_the_base_tile_and_one_canvas_tile() -> None:
+    settings = dict(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    ours = image_preprocessor_for(LlavaNextImageProcessorPil(**settings).to_dict())
+    low = image_policy(ours.policy, {"detail": "low"})
+    assert low.grid_pinpoints == ((336, 336),)
+    images = [photo(h, w, seed=h + w) for h, w in TILE_SIZES]
+    pixels, grid = ours(images, policies=[low] * len(images))
+    ref = LlavaNextImageProcessorPil(**settings | {"image_grid_pinpoints": [[336, 336]]})
+    assert torch.equal(pixels, torch.cat([ref(images=[img], return_tensors="pt")["pixel_values"][0]
+                                          for img in images]))
+    assert grid[:, :3].tolist() == [[2, 1, 1]] * len(images)
+    full, price = LlavaNextPolicy(), image_policy(LlavaNextPolicy(), {"detail": "low"})
+    for h, w in TILE_SIZES:  # the SDK's price: the one-tile layout, at most the full layout's
+        assert price.measure(h, w).vision_tokens <= full.measure(h, w).vision_tokens
+        assert price.measure(h, w).num_tiles == 2

@@ -63,13 +63,16 @@ class AnyresPreprocessor(TilingPreprocessor):
         return cls(policy=LlavaNextPolicy(tile_size=int(tile), grid_pinpoints=pinpoints), **pixel_settings(config))
 
     def __call__(
-        self, images: Sequence[Image.Image | np.ndarray], executor: Executor | None = None
+        self, images: Sequence[Image.Image | np.ndarray], executor: Executor | None = None,
+        policies: Sequence[LlavaNextPolicy] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RGB images -> pixel_values [T, 3, S, S] float32 (every image's base tile, then its canvas tiles; images
-        back to back) and grid [N, 5] int64: (tiles, rows, cols, height, width) per image."""
+        back to back) and grid [N, 5] int64: (tiles, rows, cols, height, width) per image. ``policies``: each
+        image's own pinpoints (``detail: "low"``: one tile's canvas; the same tile size), else ``policy``'s."""
         checked = [_checked_rgb(image) for image in images]
         sizes = [_height_width(image) for image in checked]
-        grids = [anyres_grid(h, w, self.policy) for h, w in sizes]
+        each = policies if policies is not None else [self.policy] * len(checked)
+        grids = [anyres_grid(h, w, pol) for (h, w), pol in zip(sizes, each, strict=True)]
         counts = [r * c + 1 for r, c in grids]
         rows = [(n, r, c, h, w) for n, (r, c), (h, w) in zip(counts, grids, sizes, strict=True)]
         grid = torch.tensor(rows, dtype=torch.int64).view(-1, 5)

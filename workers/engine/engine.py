@@ -36,6 +36,7 @@ from .config import EngineConfig
 from .cuda_profile import profiled_kv_bytes
 from .device_defaults import default_block_size, default_dtype, flash_attn_installed
 from .encoder_cache import encoder_output_width
+from .errors import EngineError
 from .intake import Prepared, Preprocessor, Request, RequestOutput
 from .kv_budget import kv_cache_num_blocks
 from .kv_tiers import KVTiers
@@ -77,17 +78,33 @@ class EngineStats:
         ("wait_preprocess", "schedule", "execute", "update"), 0.0))
 
 
+def _check_tp(speculative: Any, kv_store: Any, kv_cache_memory_fraction: float | None) -> None:
+    """What a tensor-parallel engine does not do yet, refused by name."""
+    if speculative not in (None, "none"):
+        raise ValueError("speculative decoding under tensor parallelism is not built yet: speculative='none'")
+    if kv_store is not None:
+        raise ValueError("KV tiers and the KV archive under tensor parallelism are not built yet: kv_store=None")
+    if kv_cache_memory_fraction is not None:
+        raise ValueError("kv_cache_memory_fraction under tensor parallelism is not built yet: give num_blocks or "
+                         "kv_cache_bytes")
+
+
 class Engine:
     def __init__(self, model, processor, config: EngineConfig, *, device: str | torch.device = "cpu",
                  model_id: str = "model", eos_token_ids: tuple[int, ...] = (), share_encoder_outputs: bool = True,
                  num_preprocess_threads: int = 1, kv_store: KVStore | None = None, proposer: Proposer | None = None,
-                 spec_config: SpecConfig | None = None) -> None:
+                 spec_config: SpecConfig | None = None, tp: Any = None) -> None:
         self._args = (model, processor, config, dict(device=device, model_id=model_id, eos_token_ids=eos_token_ids,
                       share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads,
                       kv_store=kv_store, proposer=proposer, spec_config=spec_config))
         self.config = config
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, config, self.scheduler.encoder_cache, device)
+        self.tp = tp  # a tensor-parallel group's rank 0 (vlmq.workers.parallel): the runner leads the others
+        if tp is not None and tp.size > 1:
+            from vlmq.workers.parallel.lockstep import LeaderRunner
+            self.runner: ModelRunner = LeaderRunner(model, config, self.scheduler.encoder_cache, device, tp=tp)
+        else:
+            self.runner = ModelRunner(model, config, self.scheduler.encoder_cache, device)
         self.tokenizer = processor.tokenizer
         image_pre = image_preprocessor_for(processor.image_processor.to_dict())  # tiles or native resolution
         self.preprocessor = Preprocessor(processor, image_pre, model, model_id, eos_token_ids, share_encoder_outputs)
@@ -118,7 +135,7 @@ class Engine:
                        share_encoder_outputs: bool = True, num_preprocess_threads: int = 1,
                        kv_cache_bytes: int | None = None, kv_cache_memory_fraction: float | None = None,
                        max_model_len: int | None = None, kv_store: KVStore | None = None,
-                       speculative: str | SpecConfig | None = None,
+                       speculative: str | SpecConfig | None = None, tp: Any = None,
                        **config: Any) -> Engine:
         """Load model, processor and generation config; `config` holds EngineConfig fields.
 
@@ -132,11 +149,13 @@ class Engine:
         at least one `max_model_len`-token sequence (default: the model's max_position_embeddings).
         """
         sized = kv_cache_bytes is not None or kv_cache_memory_fraction is not None
+        if tp is not None and tp.size > 1:
+            _check_tp(speculative, kv_store, kv_cache_memory_fraction)
         if sized and "num_blocks" in config:
             raise ValueError("give num_blocks or a KV cache budget (kv_cache_bytes or kv_cache_memory_fraction)")
         model_dir, device = Path(model_dir), torch.device(device)
         dtype = default_dtype(device.type, dtype)  # float32 on CPU, bfloat16 on CUDA (device_defaults.py)
-        model = load_model(model_dir, device, dtype)
+        model = load_model(model_dir, device, dtype, tp=tp if tp is not None and tp.size > 1 else None)
         config.setdefault("encoder_bytes_per_token", encoder_output_width(model) * torch.finfo(dtype).bits // 8)
         processor = load_processor(model_dir)
         # the largest image the processor can produce must fit one step's encoder budget, or it is refused
@@ -158,7 +177,7 @@ class Engine:
                    model_id=model_id or default_model_id(model_dir),
                    eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                    share_encoder_outputs=share_encoder_outputs, num_preprocess_threads=num_preprocess_threads,
-                   kv_store=kv_store, proposer=proposer, spec_config=spec)
+                   kv_store=kv_store, proposer=proposer, spec_config=spec, tp=tp)
 
     def add_request(self, request: Request, request_id: str | None = None) -> str:
         request_id = request_id if request_id is not None else f"req-{self._num_added}"
@@ -193,6 +212,8 @@ class Engine:
 
         For recovery: a step whose model call raised leaves the scheduler mid-step. This engine's KV cache is
         released before the new one is allocated."""
+        if self.tp is not None and self.tp.size > 1:
+            raise EngineError("a tensor-parallel group is restarted whole, never one engine of it")
         model, processor, config, kwargs = self._args
         self.close()
         del self.runner, self.scheduler

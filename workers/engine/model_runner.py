@@ -90,7 +90,7 @@ class ModelRunner:
         if not sampled:
             return RunnerOutput()
         # rows: the last prompt/decode token, then every proposal (its logits verify the next proposal)
-        rows = [r for s, end in sampled for r in range(end - 1 - s.num_spec_tokens, end)]
+        rows = logit_rows(out.scheduled)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()  # [R, vocab]
         starts = list(accumulate((1 + s.num_spec_tokens for s, _ in sampled), initial=0))
         raw = _raw_logprobs(logits, sampled, starts)  # before any sampling control
@@ -126,29 +126,26 @@ class ModelRunner:
             return torch.empty(0, self.model.config.text_config.hidden_size, device=self.device)
         batch = self._build(out.scheduled)
         meta = self._metadata(out.scheduled)
-        x, lm_kwargs = self._embed(batch)  # [T, hidden]
         positions = torch.cat(batch.positions, dim=1).to(self.device)  # [R, T]
         t2 = time.perf_counter()
-        graphs = self.decode_graphs if not lm_kwargs else None
-        hidden = graphs.run(x, positions, meta) if graphs is not None else None  # a decode step, replayed
-        if hidden is None:
-            hidden = self.model.language_model(x, positions, meta, self.kv_caches, **lm_kwargs)  # [T, hidden]
+        hidden = self._run_lm(out, batch, meta, positions)  # [T, hidden]
         t3 = time.perf_counter()
         for name, a, b in (("encode", t0, t1), ("prepare", t1, t2), ("forward", t2, t3)):
             self.timings[name] += b - a
         return hidden
 
-    def _embed(self, batch: _Batch) -> tuple[torch.Tensor, dict]:
-        # input embeddings [T, hidden] with the image rows from the encoder, and extra LM arguments
+    def _run_lm(self, out: SchedulerOutput, batch: _Batch, meta: AttentionMetadata,
+                positions: torch.Tensor) -> torch.Tensor:
+        """The LM over the step's flattened batch (a tensor-parallel leader first sends the step to its ranks)."""
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
-        if not batch.image_rows:
-            return self.model.language_model.embed_tokens(ids), {}
         rows = torch.tensor(batch.image_rows, dtype=torch.long, device=self.device)
-        feats = torch.cat(batch.image_embeds)  # [K, encoder output width]
-        if hasattr(self.model, "embed_inputs"):  # the encoder output holds more than input embeddings (DeepStack)
-            return self.model.embed_inputs(ids, rows, feats)
-        x = self.model.language_model.embed_tokens(ids)
-        return x.index_copy(0, rows, feats.to(x.dtype)), {}
+        feats = torch.cat(batch.image_embeds) if batch.image_embeds else None  # [K, encoder output width]
+        x, lm_kwargs = embed(self.model, ids, rows, feats)  # [T, hidden]
+        graphs = self.decode_graphs if not lm_kwargs else None
+        hidden = graphs.run(x, positions, meta) if graphs is not None else None  # a decode step, replayed
+        if hidden is None:
+            hidden = self.model.language_model(x, positions, meta, self.kv_caches, **lm_kwargs)  # [T, hidden]
+        return hidden
 
     def _encode(self, out: SchedulerOutput) -> None:
         # One packed call for every image of the step, whichever sequences they came from.
@@ -227,6 +224,25 @@ class ModelRunner:
         if draft_probs is not None:
             draft_probs = draft_probs[:len(proposal)]  # the scheduler may have kept only the first ones
         return verify(logits, proposal, draft_probs, sampling.temperature, self.generator)
+
+
+def embed(model, ids: torch.Tensor, rows: torch.Tensor, feats: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    """Input embeddings [T, hidden] of token ids [T], rows [K] taking the encoder outputs ``feats`` [K, width]
+    (None: no image rows), and the LM's extra keyword arguments (Qwen3-VL's DeepStack)."""
+    if feats is None:
+        return model.language_model.embed_tokens(ids), {}
+    if hasattr(model, "embed_inputs"):  # the encoder output holds more than input embeddings (DeepStack)
+        return model.embed_inputs(ids, rows, feats)
+    x = model.language_model.embed_tokens(ids)
+    return x.index_copy(0, rows, feats.to(x.dtype)), {}
+
+
+def logit_rows(scheduled: list[ScheduledSeq]) -> list[int]:
+    """Rows of a step's hidden states whose logits ``execute`` computes: each sampled sequence's last prompt or
+    decode token, then each of its proposals."""
+    ends = list(accumulate(s.num_new_tokens for s in scheduled))
+    return [r for s, end in zip(scheduled, ends, strict=True) if s.sample
+            for r in range(end - 1 - s.num_spec_tokens, end)]
 
 
 def _processed_rows(sampled: list[tuple[ScheduledSeq, int]], starts: list[int]) -> list:

@@ -60,12 +60,15 @@ class TilingPreprocessor(ImagePreprocessor):
         return cls(policy=policy, **pixel_settings(config))
 
     def __call__(
-        self, images: Sequence[Image.Image | np.ndarray], executor: Executor | None = None
+        self, images: Sequence[Image.Image | np.ndarray], executor: Executor | None = None,
+        policies: Sequence[TilePolicy] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RGB images -> pixel_values [T, 3, S, S] float32 (every image's tiles, thumbnail last, images back to back)
-        and grid [N, 3] int64: (tiles, rows, cols) per image."""
+        and grid [N, 3] int64: (tiles, rows, cols) per image. ``policies``: each image's own tile counts (``detail:
+        "low"`` is one tile: ``vlmq.resolution.image_policy``; the same tile size), else ``policy``'s."""
         checked = [_checked_rgb(image) for image in images]
-        grids = [tile_grid(*_height_width(image), self.policy) for image in checked]
+        each = policies if policies is not None else [self.policy] * len(checked)
+        grids = [tile_grid(*_height_width(image), pol) for image, pol in zip(checked, each, strict=True)]
         counts = [c * r + (c * r > 1) for c, r in grids]
         grid = torch.tensor([(n, r, c) for n, (c, r) in zip(counts, grids, strict=True)], dtype=torch.int64)
         return self._tiles(checked, grids, counts, executor), grid.view(-1, 3)
