@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # A local CPU build of torch, unless some torch is installed already (GPU machines bring their own).
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
-"$PY" -m pip install -q -e ".[worker,test]"
+"$PY" -m pip install -q -e ".[worker,test,serve]"
 if [ -n "${CI:-}" ]; then  # what this run resolved, first in its log
   echo "== resolved (pip freeze) =="
   "$PY" -m pip freeze --exclude-editable

@@ -25,10 +25,11 @@ CONNECTION_COMMANDS = ["hello", "auth", "ping", "client|setinfo", "client|setnam
 # release function), waiting (BLMOVE on the done list), the transition function (HGET, SET, HSET, EXPIRE, RPUSH,
 # EXISTS, HINCRBY), reading webhook delivery attempts (LRANGE, ``Job.deliveries()``), affinity routes of its
 # own inputs (GET, inside the enqueue function) and batches (HGETALL/HSET on its batch hash, RPUSH/LRANGE on its
-# job list, GET/SET/DEL on its finalizer lease; MULTI/EXEC around a batch's creation). Scripts only as FCALL of
+# job list, GET/SET/DEL on its finalizer lease; MULTI/EXEC around a batch's creation; ZADD/ZREMRANGEBYSCORE/
+# ZREVRANGE on its batch index, ``GET /v1/batches``). Scripts only as FCALL of
 # vlmq's own functions (``vlmq.functions``): no EVAL, no FUNCTION (a tenant runs no code of its own)
 TENANT_COMMANDS = ["hgetall", "hget", "hmget", "hset", "hincrby", "exists", "expire", "get", "set", "del", "blmove",
-                   "rpush", "lrange", "fcall", "multi", "exec", "discard"]
+                   "rpush", "lrange", "fcall", "multi", "exec", "discard", "zadd", "zremrangebyscore", "zrevrange"]
 # publishing is one LPUSH per message (see vlmq.wire); LLEN for queue limits
 QUEUE_COMMANDS = ["lpush", "llen"]
 # the wake token after a publish (vlmq.keys.wake): a latency hint, harmless to trim

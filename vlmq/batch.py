@@ -124,7 +124,28 @@ def create(store: JobStore, batch_id: str, fields: dict[str, Any], job_ids: list
     pipe.expire(keys.batch(batch_id), store.job_ttl)
     if job_ids:
         pipe.rpush(keys.batch_jobs(batch_id), *job_ids).expire(keys.batch_jobs(batch_id), store.job_ttl)
+    index, created = keys.batch_index(keys.tenant_of(batch_id)), float(fields.get("created_at", now()))
+    pipe.zadd(index, {batch_id: created}).zremrangebyscore(index, "-inf", created - store.job_ttl)
+    pipe.expire(index, store.job_ttl)
     store.call(pipe.execute)
+
+
+def list_page(store: JobStore, tenant: str | None, after: str | None, limit: int) -> dict[str, Any]:
+    """A page of a tenant's batches, newest first (``after``: the last id of the previous page), as OpenAI's
+    list object; batches whose records have expired are left out."""
+    ids = [b.decode() for b in store.call(store.redis.zrevrange, keys.batch_index(tenant), 0, -1)]
+    if after:
+        ids = ids[ids.index(after) + 1:] if after in ids else []
+    page = []
+    for batch_id in ids:
+        record = store.call(read, store.redis, batch_id)
+        if record:
+            page.append(to_object(record))
+        if len(page) > limit:
+            break
+    data = page[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(page) > limit}
 
 
 def read(redis: Any, batch_id: str) -> dict[str, str]:
@@ -223,8 +244,8 @@ def finalize_if_done(redis: Any, storage: Storage, batch_id: str, job_ttl: int) 
         _write_files(redis, storage, batch_id, record)
         final = (BatchStatus.CANCELLED if record.get("cancel_requested") == "1" else
                  BatchStatus.EXPIRED if record.get("expired") == "1" else BatchStatus.COMPLETED)
-        set_status(redis, batch_id, final, output_file=f"{storage.url}/{keys.batch_object(batch_id, OUTPUT)}",
-                   error_file=f"{storage.url}/{keys.batch_object(batch_id, ERRORS)}")
+        set_status(redis, batch_id, final, output_file_id=keys.batch_file_id(batch_id, "output"),
+                   error_file_id=keys.batch_file_id(batch_id, "errors"))
         pipe = redis.pipeline(transaction=False)
         pipe.expire(keys.batch(batch_id), job_ttl).rpush(keys.batch_done(batch_id), final.value)
         pipe.expire(keys.batch_done(batch_id), job_ttl).execute()
@@ -443,7 +464,7 @@ class Batch:
             InvalidRequest: ``batch_not_final`` before the batch has ended.
         """
         batch = self.refresh()
-        if not batch.get(f"{which}_file"):
+        if not batch.get(f"{which}_file_id"):
             raise InvalidRequest(f"batch {self.id} is {batch['status']}; its files exist once it has ended",
                                  code="batch_not_final")
         return self._store.storage.get(keys.batch_object(self.id, OUTPUT if which == "output" else ERRORS))
@@ -455,13 +476,17 @@ def _time(record: dict[str, str], name: str) -> int | None:
 
 
 def to_object(record: dict[str, str]) -> dict[str, Any]:
-    """A batch hash as OpenAI's batch object (times in epoch seconds, ``request_counts``, files as URIs)."""
+    """A batch hash as OpenAI's batch object (``openai.types.Batch`` parses it): times in epoch seconds,
+    ``request_counts`` (with vlmq's ``cancelled`` and ``rejected``), the result files as File ids (``vlmq.files``
+    reads them; ``vlmq serve`` serves them at ``/v1/files/<id>/content``). ``input_file_id`` is the uploaded
+    File's id, or for a batch submitted from a file on the producer (``Client.submit_batch(path)``) that path."""
     errors = json.loads(record["errors"]) if record.get("errors") else None
     return {
         "id": record["id"], "object": "batch", "endpoint": record.get("endpoint", "/v1/chat/completions"),
         "errors": {"object": "list", "data": errors} if errors else None,
-        "input_file": record.get("input_file"), "completion_window": record.get("completion_window"),
-        "status": record["status"], "output_file": record.get("output_file"), "error_file": record.get("error_file"),
+        "input_file_id": record.get("input_file_id") or record.get("input_file", ""),
+        "completion_window": record.get("completion_window"), "status": record["status"],
+        "output_file_id": record.get("output_file_id"), "error_file_id": record.get("error_file_id"),
         **{f"{s}_at": _time(record, f"{s}_at") for s in ("created", "in_progress", "expires", "finalizing",
                                                           "completed", "failed", "expired", "cancelling",
                                                           "cancelled")},

@@ -166,7 +166,7 @@ def parse_line(number: int, text: str, base_dir: Path, allow_outside_paths: bool
     body = item.get("body")
     if not isinstance(body, dict):
         raise InvalidRequest("body must be an object", code="bad_body")
-    return _parse_body(number, custom_id, body, base_dir, allow_outside_paths)
+    return parse_body(number, custom_id, body, base_dir, allow_outside_paths)
 
 
 def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
@@ -183,7 +183,8 @@ def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
             raise InvalidRequest(f"not JSON vlmq accepts: nested deeper than {limit} levels", code="bad_json")
 
 
-def _parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Path, anywhere: bool) -> BatchLine:
+def parse_body(number: int, custom_id: str, body: dict[str, Any], base_dir: Path, anywhere: bool) -> BatchLine:
+    """A Chat Completions request body checked as a batch line's (its number and custom_id name it)."""
     unknown = sorted(set(body) - _BODY_FIELDS)
     if unknown:
         raise InvalidRequest(f"body field(s) {', '.join(unknown)} are not supported", code="unsupported_field")

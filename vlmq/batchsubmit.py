@@ -265,5 +265,5 @@ def _refuse_whole(client: Any, batch_id: str, fields: dict[str, Any], intake: In
     error_key = keys.batch_object(batch_id, batches.ERRORS)
     client.store.call(client.storage.put, error_key, rejected.read().encode())
     client.store.call(batches.set_status, client.redis, batch_id, batches.BatchStatus.FAILED,
-                      error_file=f"{client.storage.url}/{error_key}")
+                      error_file_id=keys.batch_file_id(batch_id, "errors"))
     raise batches.BatchInvalid(errors, batch_id, refused=max(intake.bad, 1), total=intake.total, share=share)

@@ -44,6 +44,7 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path | None = None
+    marker: str = READY_MARKER  # what its log says once it is ready
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -51,7 +52,7 @@ class Child:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def is_ready(self) -> bool:
-        return self.log_path is None or READY_MARKER in self.log_path.read_text(errors="replace")
+        return self.log_path is None or self.marker in self.log_path.read_text(errors="replace")
 
     def failure(self, what: str) -> ChildFailed:
         where = f" (log: {self.log_path})" if self.log_path else ""
@@ -64,7 +65,8 @@ class Child:
             raise self.failure(f"exited with status {code}")
 
 
-def start_child(name: str, settings: Settings, log_path: Path, args: Sequence[str]) -> Child:
+def start_child(name: str, settings: Settings, log_path: Path, args: Sequence[str],
+                marker: str = READY_MARKER) -> Child:
     """``python ARGS`` with the settings in its environment, logging to ``log_path``.
 
     It runs in its own session: Ctrl-C in the terminal reaches only the command that started it, which stops it.
@@ -73,7 +75,7 @@ def start_child(name: str, settings: Settings, log_path: Path, args: Sequence[st
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    return Child(name, proc, log_path)
+    return Child(name, proc, log_path, marker)
 
 
 def check_alive(children: Sequence[Child]) -> None:

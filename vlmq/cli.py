@@ -75,7 +75,8 @@ def _up(args: argparse.Namespace) -> int:
     from vlmq.up import UpOptions, run_up
 
     try:
-        options = UpOptions(workers=args.workers, gpus=args.gpus, model=args.model, folder=args.folder, port=args.port)
+        options = UpOptions(workers=args.workers, gpus=args.gpus, model=args.model, folder=args.folder, port=args.port,
+                            serve=args.serve)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -282,6 +283,8 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--model", default="tiny-shapes")
     p.add_argument("--folder", help="keep storage and worker logs here (default: a temporary folder, removed)")
     p.add_argument("--port", type=int, help="Valkey's port (default: a free one)")
+    p.add_argument("--serve", type=int, metavar="PORT", help="also run vlmq serve (the OpenAI API) on PORT and print "
+                   "OPENAI_BASE_URL and OPENAI_API_KEY (needs the serve extra)")
     p.set_defaults(func=_up)
 
 
@@ -323,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch(sub, common, _client)
     _add_acl(sub)
     _add_cache(sub, common)
+    from vlmq.clikeys import add_keys
+    from vlmq.cliserve import add_serve
+
+    add_keys(sub, common)
+    add_serve(sub)
     return parser
 
 

@@ -17,6 +17,7 @@ import redis as redis_lib
 
 from vlmq import affinity, cachestats, functions, idempotency, keys, prompttokens, remote, rules
 from vlmq import batch as batches
+from vlmq.batchfile import parse_body
 from vlmq.batchsubmit import submit_file
 from vlmq.chat import image_parts, parse_messages, single_turn
 from vlmq.cost import estimate_job
@@ -138,6 +139,31 @@ class Client:
                              temperature=temperature, seed=seed, messages=messages, decoding=decoding)
         return self._submit([self._prepare(request)], wait_for_room)[0]
 
+    def submit_body(self, body: Mapping[str, Any], *, wait_for_room: float = 0.0) -> tuple[Job, dict[str, str]]:
+        """Submit one OpenAI Chat Completions request body, checked and applied as a batch line's body is
+        (``vlmq.batchfile``: every field applied or refused by name); what ``vlmq serve`` runs for
+        ``POST /v1/chat/completions``. Images are ``data:`` URLs, ``https://`` URLs or ``s3://`` URIs: a body
+        comes from elsewhere, so no local path or ``file://`` URL is read.
+
+        Returns:
+            The job and the account fields kept on its record (``user``, ``metadata``, ``service_tier``).
+
+        Raises:
+            InvalidRequest: a bad or unsupported field; nothing was enqueued.
+            QueueFull: the class queue stayed at its limit; nothing was enqueued.
+            BackendError: Redis or the object store failed.
+        """
+        for url in _image_urls(body.get("messages")):
+            if not url[:8].lower().startswith(("data:", "https://", "http://", "s3://")):
+                raise InvalidRequest(f"image_url {url[:60]!r}: a request body's images are data: URLs, https:// "
+                                     "URLs or s3:// URIs", code="bad_image_source")
+        line = parse_body(0, "", dict(body), Path("/nonexistent"), False)
+        request = JobRequest(messages=line.messages, model=line.model,
+                             priority=min(max(DEFAULT_PRIORITY + line.priority_step, 0), 9),
+                             max_new_tokens=line.max_new_tokens or 128, webhook="", temperature=line.temperature,
+                             seed=line.seed, decoding=line.decoding)
+        return self._submit([self._prepare(request)], wait_for_room, extra=[line.account])[0], line.account
+
     def submit_many(self, requests: Iterable[JobRequest | Mapping[str, Any]], *, wait_for_room: float = 0.0,
                     on_error: str = "raise") -> list[Any]:
         """Submit several jobs at once; each is a ``JobRequest`` or a mapping of its fields.
@@ -182,7 +208,7 @@ class Client:
     def submit_batch(self, path: str | Path, *, completion_window: str = "24h", priority: int = DEFAULT_PRIORITY,
                      max_new_tokens: int = 128, metadata: Mapping[str, str] | None = None,
                      webhook: str | None = None, allow_outside_paths: bool = False,
-                     max_bad_share: float | None = None) -> batches.Batch:
+                     max_bad_share: float | None = None, input_file_id: str | None = None) -> batches.Batch:
         """Submit a batch file in the OpenAI Batch format (``vlmq.batchfile``): one job per line.
 
         The file is read once, a line at a time, with memory that does not grow with it (``vlmq.batchsubmit``):
@@ -205,6 +231,8 @@ class Client:
                 for a batch file you trust: otherwise whoever wrote it can have any image on this machine described).
             max_bad_share: the share of lines (0 to 1) that may be refused before the whole file is (None:
                 ``VLMQ_BATCH_MAX_BAD_SHARE``, 0.5; 0: all or nothing). A file with no good line is always refused.
+            input_file_id: the File ``path`` was read from (``vlmq.files``; ``vlmq serve`` passes it): the batch
+                object's ``input_file_id`` (None: the path).
 
         Returns:
             A handle on the batch (``in_progress``; its ``request_counts`` already count the refused lines).
@@ -227,6 +255,8 @@ class Client:
         fields = {"endpoint": "/v1/chat/completions", "input_file": shown, "completion_window": completion_window,
                   "created_at": repr(created), "expires_at": repr(created + window),
                   "metadata": json.dumps(batches.check_metadata(metadata))}
+        if input_file_id:
+            fields["input_file_id"] = input_file_id
         webhook = self.settings.webhook_url if webhook is None else webhook
         if webhook:
             fields["webhook"] = check_webhook(webhook, self.settings.webhook_allow)
@@ -452,6 +482,17 @@ class Client:
                     raise QueueFull(f"queue {queue} holds {depth} jobs, its limit is {limit} (VLMQ_MAX_QUEUE_DEPTH)"
                                     f" and this submit adds {count}; retry later or pass wait_for_room=seconds")
                 time.sleep(0.05)
+
+
+def _image_urls(messages: object) -> Iterable[str]:
+    """The ``image_url.url`` strings of chat messages, as far as they are shaped like them (``vlmq.chat`` checks)."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            image = part.get("image_url") if isinstance(part, dict) else None
+            url = image.get("url") if isinstance(image, dict) else None
+            if isinstance(url, str):
+                yield url
 
 
 def _safe_url(url: str) -> str:

@@ -62,9 +62,9 @@ def batch_lines(batch: Mapping[str, Any]) -> list[str]:
              f"  requests: {c['total']} total, {c['completed']} completed, {c['failed']} failed"
              + (f" ({c['cancelled']} cancelled)" if c.get("cancelled") else "")
              + (f"; {c['rejected']} line(s) refused at submit (in the error file)" if c.get("rejected") else "")]
-    for name in ("input_file", "output_file", "error_file"):
+    for name in ("input_file_id", "output_file_id", "error_file_id"):
         if batch.get(name):
-            lines.append(f"  {name.replace('_', ' ')}: {batch[name]}")
+            lines.append(f"  {name[:-3].replace('_', ' ')}: {batch[name]}")
     for name in ("created_at", "in_progress_at", "finalizing_at", "completed_at", "cancelled_at", "expired_at",
                  "failed_at", "expires_at"):
         if batch.get(name):

@@ -4,16 +4,20 @@ Starts an embedded Redis-compatible server, ``file://`` storage in a temporary
 folder, one CPU worker process serving the bundled ``tiny-shapes`` model and one
 webhook delivery worker, submits sample images through the SDK with a webhook to
 a receiver in this process (on 127.0.0.1, allow-listed for the demo only), and
-prints what came back by polling and by webhook.
+prints what came back by polling and by webhook. With the serve extra installed it also starts ``vlmq serve``
+and asks one question through the OpenAI API (``POST /v1/chat/completions``, a data: image, a bearer key).
 """
 from __future__ import annotations
 
+import base64
+import importlib.util
 import json
 import shutil
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
@@ -115,13 +119,35 @@ def _table(jobs: list[Job], meta: list[tuple[str, str, str]]) -> int:
     return correct
 
 
-def _start(settings: Settings, valkey: Server, workdir: Path, children: list[Child]) -> None:
-    """The worker and the delivery worker, watched with the embedded server until both are ready."""
+def _start(settings: Settings, valkey: Server, workdir: Path, children: list[Child]) -> dict[str, str]:
+    """The worker, the delivery worker and (with the serve extra) ``vlmq serve``, watched with the embedded server
+    until all are ready; returns the OpenAI exports (empty without the serve extra)."""
     print(f"starting one CPU worker for tiny-shapes (log: {workdir / 'worker.log'}) and one webhook delivery "
           f"worker (log: {workdir / 'delivery.log'}) ...", flush=True)
     children.append(start_child("worker", settings, workdir / "worker.log", WORKER_ARGS))
     children.append(start_child("webhook delivery worker", settings, workdir / "delivery.log", DELIVERY_ARGS))
+    exports: dict[str, str] = {}
+    if importlib.util.find_spec("starlette") and importlib.util.find_spec("uvicorn"):
+        from vlmq.embedded import free_port
+        from vlmq.up import start_serve
+
+        serve, lines = start_serve(settings, free_port(), workdir)
+        children.append(serve)
+        exports = dict(line.removeprefix("export ").split("=", 1) for line in lines)
     wait_ready([Child("embedded Redis-compatible server", valkey.proc), *children], READY_TIMEOUT)
+    return exports
+
+
+def _ask_over_http(exports: dict[str, str], image: bytes, prompt: str) -> str:
+    """One chat completion through ``vlmq serve``, as any OpenAI client sends it."""
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    body = {"model": "tiny-shapes", "max_tokens": 64, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": prompt}]}]}
+    request = urllib.request.Request(f"{exports['OPENAI_BASE_URL']}/chat/completions", json.dumps(body).encode(),
+                                     {"Authorization": f"Bearer {exports['OPENAI_API_KEY']}",
+                                      "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return str(json.loads(answer.read())["choices"][0]["message"]["content"])
 
 
 def run_demo(num_jobs: int = 16, keep: bool = False, timeout: float = 600.0) -> int:
@@ -145,10 +171,16 @@ def run_demo(num_jobs: int = 16, keep: bool = False, timeout: float = 600.0) -> 
             settings = Settings.from_env(broker_url=valkey.url, storage_url=f"file://{workdir / 'storage'}",
                                          webhook_secrets=secret, webhook_allow="127.0.0.1/32", webhook_poll=0.1)
             print(f"  {valkey.url}; storage {settings.storage_url}", flush=True)
-            _start(settings, valkey, workdir, children)
+            exports = _start(settings, valkey, workdir, children)
             watched = [Child("embedded Redis-compatible server", valkey.proc), *children]
-            return _run_jobs(settings, receiver, [samples[i % len(samples)] for i in range(num_jobs)], timeout,
+            code = _run_jobs(settings, receiver, [samples[i % len(samples)] for i in range(num_jobs)], timeout,
                              watched)
+            if exports:
+                data, name, prompt, expected = samples[0]
+                text = _ask_over_http(exports, data, prompt)
+                print(f"OpenAI API (vlmq serve at {exports['OPENAI_BASE_URL']}): {name}: {prompt!r} -> {text!r} "
+                      f"({'matches' if text == expected else 'expected ' + repr(expected)})", flush=True)
+            return code
     except KeyboardInterrupt:
         print("\ninterrupted; shutting down", flush=True)
         return 130

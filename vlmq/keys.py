@@ -19,6 +19,9 @@ UNACKED_INDEX = "unacked_index"  # kombu: sorted set delivery_tag -> delivery ti
 TENANT_RE = r"[a-z0-9][a-z0-9-]{0,31}"
 JOB_ID_RE = rf"(?:{TENANT_RE}\.)?[0-9a-f]{{32}}"
 BATCH_ID_RE = rf"(?:{TENANT_RE}\.)?batch_[0-9a-f]{{32}}"
+BATCH_FILES = ("output", "errors")  # a batch's result files, each a File (``batch_file_id``)
+# a File: an upload (``file-[<tenant>.]<32 hex>``) or a batch's result file (``file-<batch id>.output|errors``)
+FILE_ID_RE = rf"file-(?:(?:{TENANT_RE}\.)?[0-9a-f]{{32}}|{BATCH_ID_RE}\.(?:output|errors))"
 _TENANT = re.compile(TENANT_RE)
 
 
@@ -222,10 +225,62 @@ def batch_member_allowed(batch_id: str, job_id: object) -> bool:
             and tenant_of(job_id) == tenant_of(batch_id))
 
 
+def batch_file_id(batch_id: str, kind: str) -> str:
+    """The File id of a batch's ``output`` or ``errors`` file (``file-<batch id>.<kind>``)."""
+    if kind not in BATCH_FILES:
+        raise ValueError(f"kind must be one of {BATCH_FILES}, got {kind!r}")
+    return f"file-{batch_id}.{kind}"
+
+
+def file_id_allowed(file_id: object, tenant: str | None) -> bool:
+    """Whether ``file_id`` has a File id's shape and belongs to ``tenant`` (None: an untenanted File)."""
+    if not isinstance(file_id, str) or re.fullmatch(FILE_ID_RE, file_id) is None:
+        return False
+    return tenant_of(file_id.removeprefix("file-")) == tenant
+
+
+def file_object(file_id: str) -> str:
+    """Storage key of a File's bytes (``file_id_allowed`` checked): an upload's ``files/<id>``, a batch's result
+    file where its finalizer wrote it (``batch_object``); under the File's tenant prefix."""
+    bare = file_id.removeprefix("file-")
+    batch_id, dot, kind = bare.rpartition(".")
+    if dot and kind in BATCH_FILES:
+        return batch_object(batch_id, f"{kind}.jsonl")
+    return f"{storage_prefix(tenant_of(bare))}files/{file_id}"
+
+
+def file_meta(file_id: str) -> str:
+    """Storage key of an uploaded File's JSON description (filename, purpose, bytes, created_at), written once
+    after its bytes by whoever uploaded it (``vlmq.files``)."""
+    return f"{file_object(file_id)}.json"
+
+
+def files_prefix(tenant: str | None) -> str:
+    """Storage prefix under which a tenant's uploaded Files lie (``GET /v1/files`` lists it)."""
+    return f"{storage_prefix(tenant)}files/"
+
+
+def api_keys() -> str:
+    """Hash sha256(API key) -> JSON ``{id, tenant, name, created_at}``: the keys of ``vlmq serve``.
+
+    Written by ``vlmq keys create|revoke`` (``vlmq.apikeys``); read by ``vlmq serve`` on every request. Kept on
+    purpose, without a TTL: a key lives until it is revoked.
+    """
+    return f"{PREFIX}api-keys"
+
+
 def batch(batch_id: str) -> str:
     """Hash with a batch object (status, counts, files). Written by the SDK; the request counters
     (``n_finished``, ``n_failed``, ``n_canceled``) by every final job transition (``vlmq.store``)."""
     return f"{PREFIX}batch:{batch_id}"
+
+
+def batch_index(tenant: str | None) -> str:
+    """Sorted set batch id -> created_at of a tenant's batches (``GET /v1/batches`` pages it, newest first).
+
+    Written by the SDK when it creates a batch (its TTL renewed to the record TTL then, older members pruned).
+    """
+    return f"{PREFIX}batch-index:{tenant or ''}"
 
 
 def batch_jobs(batch_id: str) -> str:
@@ -282,7 +337,7 @@ def tenant_key_patterns(tenant: str) -> list[str]:
     """
     ids = tenant_job_id(check_tenant(tenant), "*")
     return [job(ids), done(ids), canceled(ids), idempotency("*", tenant), deliveries(ids), batch(ids),
-            batch_jobs(ids), batch_done(ids), batch_lock(ids)]
+            batch_jobs(ids), batch_done(ids), batch_lock(ids), batch_index(tenant)]
 
 
 def tenant_read_patterns(tenant: str) -> list[str]:
@@ -409,7 +464,7 @@ def is_queue_list(name: str) -> bool:
 def has_owner(name: str) -> bool:
     """Whether a key without a TTL is owned: kombu deletes it when it empties (queue lists, unacked
     structures) or keeps it on purpose (exchange bindings, a handful per pool)."""
-    return (is_queue_list(name) or name in (UNACKED, UNACKED_INDEX, UNACKED_MUTEX)
+    return (is_queue_list(name) or name in (UNACKED, UNACKED_INDEX, UNACKED_MUTEX, api_keys())
             or name.startswith(KOMBU_BINDING_PREFIX))
 
 

@@ -170,6 +170,20 @@ class Settings:
                                           "whole and nothing runs", parse=float)
     tenant: str = _setting("", PRODUCER, "tenant id (`[a-z0-9-]`, at most 32): scopes this producer's job ids, "
                            "keys and storage prefix (see docs/security.md)", shown="none (untenanted)")
+    serve_max_file_bytes: int = _setting(200 << 20, PRODUCER, "`vlmq serve`: largest upload to `/v1/files`, in "
+                                         "bytes (OpenAI's 200 MB)", shown="209715200 (200 MiB)")
+    serve_max_file_lines: int = _setting(50_000, PRODUCER, "`vlmq serve`: most requests (lines) in an uploaded "
+                                         "batch file (OpenAI's)")
+    serve_max_body_bytes: int = _setting(32 << 20, PRODUCER, "`vlmq serve`: largest JSON request body, in bytes "
+                                         "(a chat request carries its data: images)", shown="33554432 (32 MiB)")
+    serve_max_json_depth: int = _setting(64, PRODUCER, "`vlmq serve`: deepest nesting of a JSON body; deeper is "
+                                         "refused before it is parsed")
+    serve_read_timeout: float = _setting(30.0, PRODUCER, "`vlmq serve`: seconds a client may leave between two "
+                                         "chunks of its request body (slow clients get 408)", parse=float)
+    serve_body_timeout: float = _setting(900.0, PRODUCER, "`vlmq serve`: seconds a whole request body may take",
+                                         parse=float)
+    serve_chat_timeout: float = _setting(300.0, PRODUCER, "`vlmq serve`: seconds `/v1/chat/completions` waits for "
+                                         "its job (then 504; the job is cancelled)", parse=float)
     # -- read by workers -----------------------------------------------------------------------
     visibility_timeout: int = _setting(300, WORKER, "seconds before a dead worker's messages are delivered "
                                        "again (live workers renew theirs)")
@@ -247,7 +261,9 @@ class Settings:
     def __post_init__(self) -> None:
         for name in ("text_token_bound", "max_new_tokens", "max_prompt_chars", "max_images_per_job",
                      "max_image_bytes", "max_image_pixels", "job_ttl", "worker_budget", "worker_batch",
-                     "visibility_timeout", "max_attempts", "affinity_queue_bound", "affinity_ttl"):
+                     "visibility_timeout", "max_attempts", "affinity_queue_bound", "affinity_ttl",
+                     "serve_max_file_bytes", "serve_max_file_lines", "serve_max_body_bytes", "serve_max_json_depth",
+                     "serve_read_timeout", "serve_body_timeout", "serve_chat_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.batch_max_bad_share <= 1:

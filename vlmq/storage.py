@@ -10,15 +10,18 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
 from vlmq.errors import BackendError
+
+CHUNK_BYTES = 1 << 20  # what put_file and iter_bytes hold at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,14 @@ class Storage(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object if present."""
+
+    @abstractmethod
+    def put_file(self, key: str, f: IO[bytes]) -> None:
+        """Store a binary file's bytes under ``key``, read a chunk at a time (S3: a multipart upload)."""
+
+    @abstractmethod
+    def iter_bytes(self, key: str, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """The object's bytes, a chunk at a time. Raises KeyError (before the first chunk) if there is none."""
 
     def list_older(self, prefix: str, before: float) -> Iterator[str]:
         """Keys under ``prefix`` (e.g. ``inputs/``) of objects last written before ``before``.
@@ -136,6 +147,13 @@ class ObjectTooLarge(ValueError):
         super().__init__(f"{key} has {'more than ' if size is None else ''}{size or max_bytes} bytes; "
                          f"the limit is {max_bytes}")
         self.size = size
+
+
+def _chunks(f: Any, size: int) -> Iterator[bytes]:
+    """A binary file's bytes, ``size`` at a time; the file is closed at the end (or when the reader stops)."""
+    with f:
+        while block := f.read(size):
+            yield bytes(block)
 
 
 def _check_key(key: str) -> str:
@@ -221,6 +239,23 @@ class FileStorage(Storage):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def put_file(self, key: str, f: IO[bytes]) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(f, out, CHUNK_BYTES)
+            out.flush()
+            os.fdatasync(out.fileno())
+        os.replace(tmp, path)
+
+    def iter_bytes(self, key: str, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+        try:
+            f = self._path(key).open("rb")
+        except FileNotFoundError:
+            raise KeyError(key) from None
+        return _chunks(f, chunk)
 
     def list_older(self, prefix: str, before: float) -> Iterator[str]:
         # its own walk, not list_objects: it streams (no sort) and keeps the temp files of a crashed put
@@ -361,6 +396,20 @@ class S3Storage(Storage):
             raise BackendError(f"object store {self.url} failed: {e}") from e
         # absent where the object was written without it (or by a store that keeps none): written again
         return bool(head.get("ChecksumSHA256") == base64.b64encode(bytes.fromhex(sha256)).decode())
+
+    def put_file(self, key: str, f: IO[bytes]) -> None:
+        from boto3.s3.transfer import TransferConfig
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        config = TransferConfig(multipart_chunksize=8 * CHUNK_BYTES, max_concurrency=4)
+        try:
+            self.client.upload_fileobj(f, self.bucket, self._key(key), Config=config)
+        except (BotoCoreError, ClientError) as e:
+            raise BackendError(f"object store {self.url} failed writing {key}: {e}") from e
+
+    def iter_bytes(self, key: str, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+        body = self._get_object(key)["Body"]
+        return _chunks(body, chunk)
 
     def delete(self, key: str) -> None:
         from botocore.exceptions import ClientError

@@ -1,5 +1,6 @@
 """``vlmq up``: the pool ``vlmq demo`` runs (embedded Valkey, ``file://`` storage, workers), kept running for
-producers in other shells until Ctrl-C, which stops everything it started.
+producers in other shells until Ctrl-C, which stops everything it started. ``vlmq up --serve 8000`` runs
+``vlmq serve`` too and prints ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (a new key of tenant ``local``).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class UpOptions:
     model: str = "tiny-shapes"
     folder: str | None = None  # storage and logs (kept); default: a temporary folder, removed at exit
     port: int | None = None  # Valkey's port; default: a free one
+    serve: int | None = None  # also run ``vlmq serve`` (the OpenAI API) on this port, with a key of tenant "local"
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -59,6 +61,24 @@ def _start_workers(settings: Settings, options: UpOptions, folder: Path) -> list
             for i, (s, args) in enumerate(runs)]
 
 
+SERVE_READY = "Uvicorn running on"  # what vlmq serve's log says once it listens
+SERVE_TENANT = "local"  # the tenant of the key ``vlmq up --serve`` makes
+
+
+def start_serve(settings: Settings, port: int, folder: Path) -> tuple[Child, list[str]]:
+    """``vlmq serve`` on ``port`` and a new key of tenant ``local``; the exports an ``openai`` client needs."""
+    import redis
+
+    from vlmq import apikeys
+
+    client = redis.Redis.from_url(settings.broker_url)
+    key = apikeys.create(client, SERVE_TENANT, "vlmq up")
+    client.close()
+    child = start_child("vlmq serve", settings, folder / "serve.log",
+                        ["-m", "vlmq.cli", "serve", "--port", str(port), "--log-level", "info"], marker=SERVE_READY)
+    return child, [f"export OPENAI_BASE_URL=http://127.0.0.1:{port}/v1", f"export OPENAI_API_KEY={key}"]
+
+
 def run_up(options: UpOptions) -> int:
     """Start the pool, print what a producer needs, and keep it running until Ctrl-C, SIGTERM or SIGHUP.
 
@@ -75,11 +95,15 @@ def run_up(options: UpOptions) -> int:
             if not settings.kv_archive_key:  # its workers share one archive: a key of this run, for them only
                 settings = dataclasses.replace(settings, kv_archive_key=secrets.token_hex(32))
             workers = _start_workers(settings, options, folder)
+            openai_exports: list[str] = []
+            if options.serve:
+                serve, openai_exports = start_serve(settings, options.serve, folder)
+                workers.append(serve)
             watched = [Child("embedded Redis-compatible server", valkey.proc), *workers]
             print(f"vlmq up: Valkey at {valkey.url}, storage {settings.storage_url}; starting {len(workers)} worker "
                   f"process(es) for {options.model} (logs in {folder}) ...", flush=True)
             wait_ready(watched, READY_TIMEOUT)
-            print("ready. In another shell:\n\n" + "\n".join(producer_exports(settings)) +
+            print("ready. In another shell:\n\n" + "\n".join(producer_exports(settings) + openai_exports) +
                   "\n\nCtrl-C stops the workers and the server.", flush=True)
             while True:
                 check_alive(watched)

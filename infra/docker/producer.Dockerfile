@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The slim producer image: the vlmq SDK and CLI alone (no torch), for producers and the webhook delivery worker.
+# The slim producer image: the vlmq SDK and CLI (no torch), for producers, vlmq serve and the webhook delivery worker.
 #   docker build -f infra/docker/producer.Dockerfile -t ghcr.io/vlmq/vlmq:0.1.0 .
 FROM python:3.12-slim
 RUN apt-get update && apt-get install -y --no-install-recommends tini && rm -rf /var/lib/apt/lists/*
@@ -8,8 +8,8 @@ COPY pyproject.toml setup.py README.md ./
 COPY vlmq vlmq
 COPY workers workers
 COPY kernels kernels
-# no extras: torch and transformers stay out (vlmq never imports them)
-RUN pip install --no-cache-dir . && rm -rf /src
+# the serve extra only (starlette, uvicorn: vlmq serve): torch and transformers stay out (vlmq never imports them)
+RUN pip install --no-cache-dir ".[serve]" && rm -rf /src
 RUN useradd --uid 10001 --create-home vlmq
 USER 10001
 WORKDIR /home/vlmq

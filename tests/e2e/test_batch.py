@@ -147,7 +147,7 @@ def test_a_batch_file_runs_every_good_line_and_reports_every_bad_one(pool: Setti
     body = first["response"]["body"]
     assert body["object"] == "chat.completion" and body["model"] == "tiny-shapes"
     assert body["usage"]["completion_tokens"] <= 2 and body["choices"][0]["finish_reason"] in ("stop", "length")
-    assert obj["output_file"].endswith(f"batches/{batch.id}/output.jsonl")
+    assert obj["output_file_id"] == f"file-{batch.id}.output" and obj["error_file_id"] == f"file-{batch.id}.errors"
     fetched = [path for path, wanted in images.requests if not wanted]  # the workers' full GETs (submit: ranged)
     assert fetched and all(path in images.routes for path in fetched)
     print(f"{LINES}-line batch ({rejected} lines refused): submit {submitted:.1f} s, done {elapsed:.1f} s")

@@ -77,6 +77,7 @@ def test_demo_answers_every_job_and_logs_progress_as_lines() -> None:
     assert code == 0, demo.text[-4000:]
     assert "16/16 finished" in demo.text
     assert "webhooks: 16/16" in demo.text
+    assert "OpenAI API (vlmq serve at http://127.0.0.1:" in demo.text and "(matches)" in demo.text  # the HTTP door
     assert "\r" not in demo.text  # not a terminal: lines, never a redrawn bar
     assert "/16 jobs" in demo.text  # the progress lines themselves
 

@@ -3,18 +3,15 @@ exports; Ctrl-C (SIGINT to its process group, as a terminal sends it) stops ever
 from __future__ import annotations
 
 import os
-import queue
 import re
-import shlex
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 from test_pool import png
-from workerproc import alive, descendants
+from workerproc import UpCommand, alive
 
 pytestmark = pytest.mark.slow
 # the producer docs/operations.md shows for `vlmq up`
@@ -31,21 +28,11 @@ print(result.text, result.usage, result.worker)
 
 def test_vlmq_up_serves_the_sdk_example_and_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLMQ_")}
-    up = subprocess.Popen([sys.executable, "-m", "vlmq.cli", "up", "--workers", "1"], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in up.stdout], daemon=True)
-    reader.start()
-    started: dict[int, str] = {}
+    up = UpCommand("--workers", "1", env=env)
     try:
-        printed = []
-        while not printed or "Ctrl-C" not in printed[-1]:
-            printed.append(lines.get(timeout=240))
-        text = "".join(printed)
-        exports = dict(shlex.split(line.removeprefix("export "))[0].split("=", 1)
-                       for line in printed if line.startswith("export "))
+        text, exports = up.ready()
         assert set(exports) == {"VLMQ_BROKER_URL", "VLMQ_STORAGE_URL"}, text
-        started = descendants(up.pid)
+        started = up.started
         assert "valkey-server" in started.values() and len(started) >= 2, started
 
         (tmp_path / "photo.png").write_bytes(png(160, 120, 1))
@@ -56,17 +43,10 @@ def test_vlmq_up_serves_the_sdk_example_and_ctrl_c_leaves_nothing_running(tmp_pa
         assert re.fullmatch(r"[0-9a-f]{32} (queued|started|finished)", job_line)
         assert "'generated_tokens'" in result_line
 
-        os.killpg(up.pid, signal.SIGINT)  # Ctrl-C in its terminal
-        assert up.wait(90) == 0
+        os.killpg(up.proc.pid, signal.SIGINT)  # Ctrl-C in its terminal
+        assert up.proc.wait(90) == 0
         assert not [f"{pid} {name}" for pid, name in started.items() if alive(pid)]
         storage = re.search(r"storage file://(\S+);", text)
         assert storage and not Path(storage[1]).exists()  # its temporary folder is gone too
     finally:
-        if up.poll() is None:  # the test failed: leave nothing behind all the same
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-            for pid in started:
-                if alive(pid):
-                    os.kill(pid, signal.SIGKILL)
-        reader.join(10)
-        up.stdout.close()
+        up.close()

@@ -96,3 +96,48 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+class UpCommand:
+    """``python -m vlmq.cli up ARGS`` in its own session (as a terminal runs it), its output read on a thread.
+
+    ``ready()`` waits for the Ctrl-C hint and returns what was printed and its ``export`` lines; ``close()`` leaves
+    nothing running, whatever the test did.
+    """
+
+    def __init__(self, *args: str, env: dict[str, str]) -> None:
+        import queue
+        import threading
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "vlmq.cli", "up", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        assert self.proc.stdout is not None
+        stdout = self.proc.stdout
+        self.reader = threading.Thread(target=lambda: [self.lines.put(line) for line in stdout], daemon=True)
+        self.reader.start()
+        self.started: dict[int, str] = {}
+
+    def ready(self, timeout: float = 240) -> tuple[str, dict[str, str]]:
+        import shlex
+
+        printed: list[str] = []
+        while not printed or "Ctrl-C" not in printed[-1]:
+            printed.append(self.lines.get(timeout=timeout))
+        exports = dict(shlex.split(line.removeprefix("export "))[0].split("=", 1)
+                       for line in printed if line.startswith("export "))
+        self.started = descendants(self.proc.pid)
+        return "".join(printed), exports
+
+    def close(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:  # the test failed: leave nothing behind all the same
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            for pid in self.started:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+        self.reader.join(10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()

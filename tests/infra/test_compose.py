@@ -53,9 +53,11 @@ def test_gpu_and_cpu_profiles_run_the_same_stack(compose: dict) -> None:
         {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     assert "deploy" not in cpu
     shared = {n for n, s in services.items() if "profiles" not in s}
-    assert {"valkey", "minio", "bucket", "delivery", "flower", "prometheus", "grafana"} == shared
+    assert {"valkey", "minio", "bucket", "delivery", "serve", "flower", "prometheus", "grafana"} == shared
     assert services["delivery"]["command"] == ["delivery"]
-    assert "worker" not in services["delivery"]["build"]["dockerfile"]  # the slim image, no torch
+    assert services["serve"]["command"][0] == "serve" and services["serve"]["ports"] == ["8000:8000"]
+    for slim in ("delivery", "serve"):
+        assert "worker" not in services[slim]["build"]["dockerfile"]  # the slim image, no torch
     for worker in (gpu, cpu):
         grace = int(worker["environment"]["VLMQ_SHUTDOWN_GRACE"])
         assert grace >= Settings().shutdown_grace
@@ -113,8 +115,9 @@ def test_worker_image_is_cuda_torch_then_vlmq_worker_gpu() -> None:
 
 def test_producer_image_has_no_torch() -> None:
     code = [line for line in dockerfile("producer").splitlines() if not line.startswith("#")]
-    assert not any("torch" in line or "[" in line.split("pip install")[-1] for line in code if "pip install" in line)
-    assert "RUN pip install --no-cache-dir . && rm -rf /src" in code
+    installs = [line.split("pip install")[-1] for line in code if "pip install" in line]
+    assert not any("torch" in line or ("[" in line and "[serve]" not in line) for line in installs)
+    assert 'RUN pip install --no-cache-dir ".[serve]" && rm -rf /src' in code  # the serve extra: no torch either
 
 
 @pytest.mark.parametrize("name", ["worker", "producer"])

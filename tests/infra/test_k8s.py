@@ -59,7 +59,8 @@ def test_committed_base_is_what_the_generator_writes() -> None:
 
 def test_every_object_matches_its_schema(built: list[dict]) -> None:
     kinds = {o["kind"] for o in built}
-    assert {"Deployment", "PodDisruptionBudget", "ScaledObject", "TriggerAuthentication", "ConfigMap"} <= kinds
+    assert {"Deployment", "PodDisruptionBudget", "ScaledObject", "TriggerAuthentication", "ConfigMap", "Service",
+            "HorizontalPodAutoscaler"} <= kinds
     for obj in built + load_all(K8S / "base" / "secret.example.yaml"):
         validate(obj)
 
@@ -128,6 +129,21 @@ def test_worker_stops_gracefully_and_probes_the_metrics_port(built: list[dict]) 
         pdb = pdbs[deployment["metadata"]["name"]]
         assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
         assert deployment["metadata"]["labels"]["vlmq.io/classes"] == "-".join(group_of(deployment))
+
+
+def test_serve_is_stateless_behind_a_service_with_a_budget_and_cpu_autoscaling(built: list[dict]) -> None:
+    [serve] = [d for d in by_kind(built, "Deployment") if d["metadata"]["name"] == "vlmq-serve"]
+    box = container(serve)
+    assert box["args"][:1] == ["serve"] and box["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert "volumes" not in serve["spec"]["template"]["spec"]  # no state of its own: replicas are interchangeable
+    [service] = [s for s in by_kind(built, "Service") if s["metadata"]["name"] == "vlmq-serve"]
+    assert service["spec"]["selector"] == serve["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"][0]["targetPort"] == box["ports"][0]["name"]
+    [budget] = [p for p in by_kind(built, "PodDisruptionBudget") if p["metadata"]["name"] == "vlmq-serve"]
+    assert budget["spec"]["minAvailable"] == 1 and serve["spec"]["replicas"] >= 2
+    [hpa] = by_kind(built, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "vlmq-serve" and hpa["spec"]["minReplicas"] >= 2
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
 
 
 def test_env_names_are_settings(built: list[dict]) -> None:

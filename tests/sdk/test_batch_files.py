@@ -301,6 +301,28 @@ def test_cancel_stops_every_queued_request_with_consistent_counts(client: Client
     assert batch.cancel()["status"] == "cancelled"  # a second cancel changes nothing
 
 
+def test_every_batch_object_parses_as_the_openai_packages_batch(client: Client, tmp_path: Path) -> None:
+    from openai.types import Batch
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(line(f"r{i}", data_url(png(40 + i, 40))) + "\n" for i in range(3)))
+    batch = client.submit_batch(path, metadata={"team": "vision"})
+    running = Batch.model_validate(batch.refresh(), strict=True)
+    assert running.status == "in_progress" and running.input_file_id == str(path) and running.output_file_id is None
+    assert running.metadata == {"team": "vision"} and running.request_counts.total == 3
+    done = Batch.model_validate(batch.cancel(), strict=True)
+    assert done.status == "cancelled" and done.request_counts.failed == 3
+    assert (done.output_file_id, done.error_file_id) == (f"file-{batch.id}.output", f"file-{batch.id}.errors")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(BatchInvalid) as refused:
+        client.submit_batch(bad)
+    failed = Batch.model_validate(client.batch(refused.value.batch_id).refresh(), strict=True)
+    assert failed.status == "failed" and failed.output_file_id is None
+    assert failed.error_file_id == f"file-{refused.value.batch_id}.errors"
+    assert failed.errors is not None and failed.errors.data[0].code == "bad_json"
+
+
 def test_a_batch_past_its_window_expires_with_its_requests_cancelled(client: Client, tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     path.write_text(line("only", data_url(png())) + "\n")

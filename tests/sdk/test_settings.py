@@ -110,7 +110,9 @@ def test_every_setting_round_trips_through_the_environment() -> None:
                        kv_host_bytes=20,
                        kv_disk_dir="/d", kv_disk_bytes=21, affinity=False, affinity_queue_bound=19, affinity_ttl=20,
                        speculative="ngram",
-                       tenant_cache_sharing=True)
+                       tenant_cache_sharing=True, serve_max_file_bytes=23, serve_max_file_lines=24,
+                       serve_max_body_bytes=25, serve_max_json_depth=26, serve_read_timeout=2.5,
+                       serve_body_timeout=3.5, serve_chat_timeout=4.5)
     defaults = Settings()
     assert all(getattr(changed, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(Settings))
     env = changed.to_env()
