@@ -4,34 +4,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # workerproc, inputs
 
-from serveproc import ServeProcess  # noqa: E402
-from workerproc import TINY_CLASSES, ready_worker  # noqa: E402
+from serveproc import Door, ServeProcess, serve_settings  # noqa: E402
+from workerproc import ready_worker  # noqa: E402
 
 from vlmq import apikeys, keys  # noqa: E402
-from vlmq.settings import Settings  # noqa: E402
-
-
-@dataclass
-class Door:
-    """What a test of the HTTP door gets."""
-
-    settings: Settings
-    serve: ServeProcess
-    url: str  # OPENAI_BASE_URL
-    key_a: str  # a key of tenant "acme"
-    key_b: str  # a key of tenant "globex"
-
-
-def serve_settings(redis_url: str, s3_url: str, prefix: str) -> Settings:
-    return Settings(broker_url=redis_url, storage_url=f"s3://vlmq-test/{prefix}", s3_endpoint_url=s3_url,
-                    cost_classes=TINY_CLASSES, worker_batch=16)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,7 @@
-"""``vlmq serve`` as a real child process on a free loopback port, for the tests (and scripts/bench_serve.py)."""
+"""``vlmq serve`` as a real child process on a free loopback port, for the tests (and scripts/bench_serve.py), and
+what a test of the door gets (``Door``; the ``door`` fixture in this folder's conftest makes one). Tests import
+these from here, never from ``conftest``: several folders have a conftest, and ``import conftest`` finds whichever
+was imported first."""
 from __future__ import annotations
 
 import os
@@ -7,7 +10,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+
+from workerproc import TINY_CLASSES
 
 from vlmq.settings import Settings
 
@@ -57,3 +63,19 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@dataclass
+class Door:
+    """What a test of the HTTP door gets."""
+
+    settings: Settings
+    serve: ServeProcess
+    url: str  # OPENAI_BASE_URL
+    key_a: str  # a key of tenant "acme"
+    key_b: str  # a key of tenant "globex"
+
+
+def serve_settings(redis_url: str, s3_url: str, prefix: str) -> Settings:
+    return Settings(broker_url=redis_url, storage_url=f"s3://vlmq-test/{prefix}", s3_endpoint_url=s3_url,
+                    cost_classes=TINY_CLASSES, worker_batch=16)

@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import serve_settings
-from serveproc import ServeProcess
+from serveproc import ServeProcess, serve_settings
 
 from vlmq import apikeys, keys
 

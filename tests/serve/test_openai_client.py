@@ -9,9 +9,9 @@ import time
 
 import openai
 import pytest
-from conftest import Door
 from openai.types import Batch, FileDeleted, FileObject, Model
 from openai.types.chat import ChatCompletion
+from serveproc import Door
 
 from vlmq.client import Client
 

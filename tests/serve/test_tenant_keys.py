@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 import redis
-from conftest import Door
+from serveproc import Door
 from test_openai_client import api, batch_file
 
 from vlmq import apikeys
