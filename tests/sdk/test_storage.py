@@ -103,3 +103,21 @@ def test_urls_open_the_right_backend(tmp_path: Path) -> None:
     assert isinstance(s3, S3Storage) and s3.bucket == "bucket" and s3.prefix == "some/prefix"
     with pytest.raises(ValueError):
         open_storage("http://example.com/x")
+
+
+def test_an_address_a_tenant_may_not_head_is_written_again_and_other_errors_surface() -> None:
+    # S3 answers 403, not 404, for an absent key to credentials without s3:ListBucket (a tenant's), which no
+    # server here reproduces for absent keys alone: botocore's Stubber answers as S3 does (a stub, said so)
+    import boto3
+    from botocore.stub import Stubber
+
+    from vlmq.errors import BackendError
+
+    client = boto3.client("s3", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    storage = S3Storage("b", "p", client=client)
+    with Stubber(client) as stub:
+        stub.add_client_error("head_object", "403", "Forbidden", 403)
+        assert storage.holds("inputs/ab", "ab" * 32) is False
+        stub.add_client_error("head_object", "InternalError", "boom", 500)
+        with pytest.raises(BackendError, match="boom"):
+            storage.holds("inputs/ab", "ab" * 32)
