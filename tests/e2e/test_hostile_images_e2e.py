@@ -36,7 +36,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 PROMPT = "Describe the image."
 SUBMIT_BOUND_S = 2.0  # reading the file and probing it, for a refused file
 JOB_BOUND_S = 120.0  # created -> final on the worker, for each corpus job
-SLOWDOWN_BOUND = 2.0  # median submit -> result alongside the corpus, against the median alone
+# median submit -> result alongside the corpus, against the median alone. 2.0 until the worker pace fix (issue 32)
+# halved the baseline (0.57 -> 0.28 s on CI's 2 vCPUs) while the median alongside the corpus fell less (about 0.74
+# -> 0.58 s, measured 2.03x): the corpus's large encodes and prefills share steps with the normal job's decode, a
+# cost of their own that a faster baseline turns into a larger ratio. Keeping large encodes and prefills from
+# stretching decode steps is the real fix (issue 32); until then the bound is 2.5x of the faster baseline.
+SLOWDOWN_BOUND = 2.5
 ALONE_RUNS = 3  # normal jobs alone before the corpus and after each pass over it
 MIN_ALONGSIDE = 8  # normal jobs alongside the corpus: passes over it are repeated until there are this many
 MIN_PASSES, MAX_PASSES = 2, 4
