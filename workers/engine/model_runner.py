@@ -134,12 +134,17 @@ class ModelRunner:
             self.timings[name] += b - a
         return hidden
 
+    def _before_lm(self, out: SchedulerOutput, ids: torch.Tensor, rows: torch.Tensor, feats: torch.Tensor | None,
+                   positions: torch.Tensor) -> None:
+        """Hook before the step's LM forward, given its inputs (a tensor-parallel leader sends them to its ranks)."""
+
     def _run_lm(self, out: SchedulerOutput, batch: _Batch, meta: AttentionMetadata,
                 positions: torch.Tensor) -> torch.Tensor:
-        """The LM over the step's flattened batch (a tensor-parallel leader first sends the step to its ranks)."""
+        """The LM over the step's flattened batch."""
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
         rows = torch.tensor(batch.image_rows, dtype=torch.long, device=self.device)
         feats = torch.cat(batch.image_embeds) if batch.image_embeds else None  # [K, encoder output width]
+        self._before_lm(out, ids, rows, feats, positions)
         x, lm_kwargs = embed(self.model, ids, rows, feats)  # [T, hidden]
         graphs = self.decode_graphs if not lm_kwargs else None
         hidden = graphs.run(x, positions, meta) if graphs is not None else None  # a decode step, replayed

@@ -100,14 +100,10 @@ class LeaderRunner(ModelRunner):
         self._rows = logit_rows(out.scheduled)  # what execute computes logits for, sent with the step
         return super().forward(out)
 
-    def _run_lm(self, out, batch, meta, positions):
-        feats = torch.cat(batch.image_embeds) if batch.image_embeds else None
-        send_step(Step(torch.tensor(batch.input_ids, dtype=torch.long), positions,
-                       torch.tensor(batch.image_rows, dtype=torch.long), feats,
-                       [s.num_new_tokens for s in out.scheduled], [s.start + s.num_new_tokens for s in out.scheduled],
-                       [s.block_table for s in out.scheduled], [x for s in out.scheduled for x in s.slot_mapping],
-                       self._rows), self.tp)
-        return super()._run_lm(out, batch, meta, positions)
+    def _before_lm(self, out, ids, rows, feats, positions):
+        send_step(Step(ids, positions, rows, feats, [s.num_new_tokens for s in out.scheduled],
+                       [s.start + s.num_new_tokens for s in out.scheduled], [s.block_table for s in out.scheduled],
+                       [x for s in out.scheduled for x in s.slot_mapping], self._rows), self.tp)
 
     def stop_followers(self) -> None:
         _broadcast(torch.tensor([STOP] + [0] * 8, dtype=torch.long), self.tp)
